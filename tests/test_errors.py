@@ -1,0 +1,146 @@
+"""Connection failures: one line each, naming the target and the reason,
+with the hint that helps; exit status 1; never a traceback.
+
+The AF_VSOCK messages are checked here without opening any AF_VSOCK
+connection (this machine may have no loopback transport, and then every CID
+goes to the real hypervisor); test_vsock.py checks them against a real kernel.
+"""
+
+import errno
+import os
+import socket
+
+import pytest
+
+import vsock_proxy
+from vsock_proxy import ConnectError, main, parse_target
+
+VSOCK_ERRNO_MESSAGES = [
+    (errno.ECONNRESET, "vsock/3: nothing is listening on vsock port 22 (ECONNRESET): "
+                       "is sshd listening on vsock port 22 in the guest?", True),
+    (errno.ECONNREFUSED, "nothing is listening on vsock port 22 (ECONNREFUSED)", True),
+    (errno.ENODEV, "vsock/3: no VM with CID 3 (ENODEV): is the VM running, "
+                   "with a vsock device and this CID?", True),
+    (errno.ETIMEDOUT, "vsock/3: no answer within 5s (ETIMEDOUT): the guest may "
+                      "still be booting; try --wait 60", True),
+    (errno.ENETUNREACH, "no vsock transport reaches CID 3", True),
+    (errno.EACCES, "vsock/3: permission denied (EACCES)", False),
+    (errno.EINVAL, "vsock/3: Invalid argument (EINVAL)", False),
+]
+
+
+@pytest.mark.parametrize("code, message, transient", VSOCK_ERRNO_MESSAGES)
+def test_vsock_errno_becomes_a_message(code, message, transient):
+    error = vsock_proxy.vsock_connect_error(
+        parse_target("vsock/3"), OSError(code, os.strerror(code)), 5.0)
+    assert message in str(error)
+    assert error.transient is transient
+
+
+def test_vsock_python_timeout_reads_as_etimedout():
+    error = vsock_proxy.vsock_connect_error(parse_target("vsock/3"), socket.timeout("timed out"), 2.5)
+    assert "no answer within 2.5s (ETIMEDOUT)" in str(error)
+
+
+def test_vsock_enodev_on_cid_1_points_to_the_loopback_module():
+    error = vsock_proxy.vsock_connect_error(
+        parse_target("vsock/local"), OSError(errno.ENODEV, "No such device"), 5.0)
+    assert "is the vsock_loopback module loaded?" in str(error)
+
+
+def test_no_af_vsock_on_this_system_points_to_the_unix_forms(monkeypatch, capsys):
+    monkeypatch.delattr(socket, "AF_VSOCK", raising=False)
+    assert main(["vsock/3"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("vsock-proxy: vsock/3: this system has no AF_VSOCK")
+    assert "unix/PATH or vsock-mux/PATH" in err and err.count("\n") == 1
+
+
+def test_af_vsock_socket_refused_by_the_kernel_says_to_load_the_module(monkeypatch, capsys):
+    real_socket = socket.socket
+
+    def no_vsock(family=-1, *args, **kwargs):
+        if family == getattr(socket, "AF_VSOCK", object()):
+            raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+        return real_socket(family, *args, **kwargs)
+    monkeypatch.setattr(socket, "AF_VSOCK", 40, raising=False)
+    monkeypatch.setattr(socket, "socket", no_vsock)
+    assert main(["vsock/3"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot create an AF_VSOCK socket: Address family not supported by protocol " \
+           "(EAFNOSUPPORT)" in err
+    assert "modprobe vhost_vsock" in err
+
+
+# --- AF_UNIX, against real sockets -------------------------------------------
+
+def test_missing_socket_file(tmp_path, capsys):
+    assert main(["unix%s/vm.sock" % tmp_path]) == 1
+    assert capsys.readouterr().err == (
+        "vsock-proxy: unix%s/vm.sock: no such socket file: %s/vm.sock (ENOENT)\n"
+        % (tmp_path, tmp_path))
+
+
+def test_missing_socket_file_with_other_case_names_ssh_lowercasing(tmp_path, capsys):
+    (tmp_path / "VM.sock").touch()
+    assert main(["unix%s/vm.sock" % tmp_path]) == 1
+    err = capsys.readouterr().err
+    assert "there is %s/VM.sock: ssh lowercases %%h, use %%n in ProxyCommand" % tmp_path in err
+
+
+def test_missing_socket_with_colon_explains_scp_host_path(tmp_path, capsys):
+    assert main(["unix%s/vm.sock:/tmp" % tmp_path]) == 1
+    assert "scp and sftp pass 'HOST:PATH' whole" in capsys.readouterr().err
+
+
+def test_stale_socket_file_is_nothing_accepting(tmp_path, capsys):
+    path = str(tmp_path / "stale.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.close()                      # the file stays, nobody listens
+    assert main(["unix" + path]) == 1
+    assert capsys.readouterr().err == (
+        "vsock-proxy: unix%s: nothing accepts connections on %s (ECONNREFUSED): the VM "
+        "or the service behind the socket is not running\n" % (path, path))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_permission_denied_names_the_cure(tmp_path, capsys):
+    path = str(tmp_path / "private.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen()
+    os.chmod(path, 0o600)
+    os.seteuid(65534)                     # nobody
+    try:
+        status = main(["unix" + path])
+    finally:
+        os.seteuid(0)
+        listener.close()
+    assert status == 1
+    assert capsys.readouterr().err == (
+        "vsock-proxy: unix%s: permission denied on %s (EACCES): run as a user who may "
+        "open it (its owner or group, or sudo)\n" % (path, path))
+
+
+def test_connect_error_exception_carries_the_printed_message(tmp_path):
+    with pytest.raises(ConnectError) as caught:
+        vsock_proxy.connect("unix%s/none.sock" % tmp_path)
+    assert str(caught.value) == "unix%s/none.sock: no such socket file: %s/none.sock (ENOENT)" % (
+        tmp_path, tmp_path)
+    assert caught.value.transient
+
+
+def test_fdpass_without_a_socket_on_stdout_says_proxyusefdpass_is_missing(tmp_path):
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, vsock_proxy.__file__, "--fdpass", "unix/none"],
+                            capture_output=True, timeout=20)
+    assert result.returncode == 2
+    assert result.stderr == (b"vsock-proxy: --fdpass needs stdout to be a unix socket: add "
+                             b"'ProxyUseFdpass yes' to ssh_config, or drop --fdpass\n")
+
+
+def test_control_characters_from_paths_are_escaped():
+    assert vsock_proxy.printable("a\x1b[31mb\n") == "a\\x1b[31mb\\n"
+    assert vsock_proxy.printable(b"\x9b2J\x07ok") == "\\x9b2J\\x07ok"

@@ -1,0 +1,146 @@
+"""machine/NAME: systemd-machined resolves the name (Varlink, user instance
+first, then the system's) and vsock-proxy connects to what it answers.
+The fake machined speaks the real wire format: NUL-terminated JSON messages,
+io.systemd.Machine.List with {"name": NAME}, io.systemd.Machine.NoSuchMachine."""
+
+import json
+import os
+import threading
+
+import pytest
+
+import vsock_proxy
+from conftest import FAKE_BANNER, run_proxy, unix_listener
+
+
+class FakeMachined:
+    """One machined instance under runtime_dir/systemd/machine/io.systemd.Machine,
+    knowing `machines`: name -> List reply parameters, or a Varlink error name."""
+
+    def __init__(self, runtime_dir, machines):
+        socket_dir = runtime_dir / "systemd" / "machine"
+        socket_dir.mkdir(parents=True)
+        self.machines, self.calls = machines, []
+        self.listener = unix_listener(socket_dir / "io.systemd.Machine")
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            with conn:
+                request = b""
+                while not request.endswith(b"\0"):
+                    request += conn.recv(4096)
+                call = json.loads(request[:-1])
+                self.calls.append(call)
+                name = call["parameters"]["name"]
+                if isinstance(self.machines.get(name), str):    # an error to answer
+                    reply = {"error": self.machines[name], "parameters": {}}
+                elif name in self.machines:
+                    reply = {"parameters": self.machines[name]}
+                else:
+                    reply = {"error": "io.systemd.Machine.NoSuchMachine", "parameters": {}}
+                conn.sendall(json.dumps(reply).encode() + b"\0")
+
+    def close(self):
+        self.listener.close()
+
+
+@pytest.fixture
+def machined(tmp_path_factory, monkeypatch):
+    """Factory: machined("user" | "system", {name: parameters}).  Both runtime
+    directories are pointed at temporary ones, so no real machined is asked."""
+    dirs = {"user": tmp_path_factory.mktemp("xdg"), "system": tmp_path_factory.mktemp("run")}
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(dirs["user"]))
+    monkeypatch.setenv("VSOCK_PROXY_RUN_DIR", str(dirs["system"]))
+    started = []
+
+    def start(scope, machines):
+        started.append(FakeMachined(dirs[scope], machines))
+        return started[-1]
+    yield start
+    for instance in started:
+        instance.close()
+
+
+def vm(**fields):
+    return dict({"name": "fedora", "class": "vm", "service": "systemd-vmspawn"}, **fields)
+
+
+def test_machine_with_an_ssh_address_on_a_mux_socket_is_reached_through_it(machined, muxer):
+    mux = muxer("firecracker")
+    machined("system", {"fedora": vm(sshAddress="vsock-mux" + mux.path)})
+    result = run_proxy("machine/fedora", "2222", input=b"hi")
+    assert (result.returncode, result.stdout) == (0, FAKE_BANNER + b"hi"), result.stderr
+    assert mux.ports == [2222]
+
+
+def test_machine_with_a_unix_ssh_address(machined, muxer):
+    mux = muxer("firecracker")
+    machined("user", {"fedora": vm(sshAddress="unix" + mux.path)})
+    with vsock_proxy.connect("machine%fedora") as sock:
+        sock.sendall(b"CONNECT 7\n")
+        assert sock.recv(100).startswith(b"OK ")
+
+
+def test_vsock_cid_comes_first(machined, monkeypatch):
+    """A VM with a CID is reached over AF_VSOCK (checked without connecting)."""
+    machined("system", {"fedora": vm(vSockCid=42, sshAddress="unix/nowhere")})
+    target = vsock_proxy.resolve_machine(vsock_proxy.parse_target("machine/fedora"), 2)
+    assert target == vsock_proxy.Target("vsock", 42, 22, "")
+    assert str(target) == "machine/fedora (vsock/42)"
+
+
+def test_user_instance_is_asked_before_the_system_one(machined, muxer):
+    user_mux, system_mux = muxer("firecracker"), muxer("firecracker")
+    user = machined("user", {"fedora": vm(sshAddress="vsock-mux" + user_mux.path)})
+    system = machined("system", {"fedora": vm(sshAddress="vsock-mux" + system_mux.path)})
+    assert run_proxy("--check", "machine/fedora").returncode == 0
+    assert (user_mux.connections, system_mux.connections) == (1, 0)
+    assert len(user.calls) == 1 and system.calls == []
+
+
+def test_system_instance_answers_when_the_user_one_does_not_know_the_name(machined, muxer):
+    mux = muxer("firecracker")
+    user = machined("user", {})
+    machined("system", {"fedora": vm(sshAddress="vsock-mux" + mux.path)})
+    assert run_proxy("--check", "machine/fedora").returncode == 0
+    assert user.calls == [{"method": "io.systemd.Machine.List",
+                           "parameters": {"name": "fedora"}}]
+
+
+def test_no_such_machine(machined):
+    machined("user", {})
+    machined("system", {"debian": vm(vSockCid=5)})
+    result = run_proxy("machine/fedora")
+    assert result.returncode == 1
+    assert result.stderr == (b"vsock-proxy: machine/fedora: systemd-machined knows no machine "
+                             b"fedora (see 'machinectl list')\n")
+
+
+def test_machined_not_running(machined):
+    result = run_proxy("machine/fedora")
+    user = os.path.join(os.environ["XDG_RUNTIME_DIR"], "systemd/machine/io.systemd.Machine")
+    system = os.path.join(os.environ["VSOCK_PROXY_RUN_DIR"], "systemd/machine/io.systemd.Machine")
+    assert result.returncode == 1
+    assert result.stderr.decode() == ("vsock-proxy: machine/fedora: systemd-machined is not "
+                                      "running (no answer on %s or %s)\n" % (user, system))
+
+
+def test_machine_without_a_vsock_cid(machined):
+    machined("system", {"fedora": vm()})
+    result = run_proxy("machine/fedora")
+    assert result.returncode == 1
+    assert result.stderr == (b"vsock-proxy: machine/fedora: the machine has no vsock CID and "
+                             b"no ssh address vsock-proxy understands (class vm)\n")
+
+
+def test_other_varlink_errors_are_named(machined):
+    machined("system", {"fedora": "org.varlink.service.PermissionDenied"})
+    result = run_proxy("machine/fedora")
+    assert result.returncode == 1
+    assert result.stderr == (b"vsock-proxy: machine/fedora: systemd-machined answered "
+                             b"org.varlink.service.PermissionDenied\n")

@@ -1,0 +1,207 @@
+"""The relay without ssh: what goes in comes out, both ways, with the ends of
+the stream and the failures a real session meets.
+
+Every test runs twice: with pipes as stdin/stdout (what ssh gives a
+ProxyCommand: the os.splice fast path) and with sockets as stdin/stdout (the
+portable read/write path, which macOS and Python 3.9 always take).  Waits are
+bounded so that a stall fails the test instead of hanging it; no test times
+anything.
+"""
+
+import hashlib
+import os
+import signal
+import socket
+import threading
+
+import pytest
+
+from conftest import proxy_process, serve_unix
+
+BOTH_PATHS = pytest.mark.parametrize("stdio", ["pipe", "socket"])
+
+
+def expect_path(proxy, stdio):
+    """The relay really took the path this run is about."""
+    line = proxy.stderr_line()
+    assert line == ("vsock-proxy: relaying with splice (zero-copy)" if stdio == "pipe"
+                    else "vsock-proxy: relaying with read/write")
+
+
+def echo(conn):
+    while True:
+        data = conn.recv(65536)
+        if not data:
+            return
+        conn.sendall(data)
+
+
+@BOTH_PATHS
+def test_bytes_go_both_ways(tmp_path, stdio):
+    path = serve_unix(tmp_path, echo)
+    with proxy_process(["-v", "unix" + path], stdio) as proxy:
+        proxy.stderr_line()                            # "connecting to ..."
+        expect_path(proxy, stdio)
+        proxy.write(b"hello\n")
+        assert proxy.read_exactly(6) == b"hello\n"
+        proxy.close_stdin()
+        assert proxy.read_to_eof() == b""
+        assert proxy.wait() == 0
+
+
+@BOTH_PATHS
+def test_server_speaks_first(tmp_path, stdio):
+    path = serve_unix(tmp_path, lambda conn: (conn.sendall(b"SSH-2.0-Banner\r\n"), echo(conn)))
+    with proxy_process(["unix" + path], stdio) as proxy:
+        assert proxy.read_exactly(16) == b"SSH-2.0-Banner\r\n"
+
+
+@BOTH_PATHS
+def test_stdin_eof_half_closes_and_the_reply_still_arrives(tmp_path, stdio):
+    def digest_after_eof(conn):
+        hasher = hashlib.sha256()
+        while True:
+            data = conn.recv(65536)
+            if not data:
+                break
+            hasher.update(data)
+        conn.sendall(hasher.hexdigest().encode())
+    path = serve_unix(tmp_path, digest_after_eof)
+    payload = os.urandom(3 << 20)
+    with proxy_process(["unix" + path], stdio) as proxy:
+        proxy.write(payload)
+        proxy.close_stdin()
+        assert proxy.read_to_eof() == hashlib.sha256(payload).hexdigest().encode()
+        assert proxy.wait() == 0
+        assert proxy.stderr() == b""
+
+
+@BOTH_PATHS
+def test_peer_that_half_closes_first_still_gets_all_of_stdin(tmp_path, stdio):
+    received = []
+
+    def greet_then_listen(conn):
+        conn.sendall(b"send me everything\n")
+        conn.shutdown(socket.SHUT_WR)
+        hasher = hashlib.sha256()
+        while True:
+            data = conn.recv(65536)
+            if not data:
+                break
+            hasher.update(data)
+        received.append(hasher.hexdigest())
+    path = serve_unix(tmp_path, greet_then_listen)
+    payload = os.urandom(2 << 20)
+    with proxy_process(["unix" + path], stdio) as proxy:
+        assert proxy.read_to_eof() == b"send me everything\n"
+        proxy.write(payload)
+        proxy.close_stdin()
+        assert proxy.wait() == 0
+    assert received == [hashlib.sha256(payload).hexdigest()]
+
+
+@BOTH_PATHS
+def test_bulk_data_both_ways_matches_by_hash(tmp_path, stdio):
+    download = os.urandom(16 << 20)
+
+    def send_then_digest(conn):
+        sender = threading.Thread(target=conn.sendall, args=(download,))
+        sender.start()
+        hasher = hashlib.sha256()
+        while True:
+            data = conn.recv(1 << 20)
+            if not data:
+                break
+            hasher.update(data)
+        sender.join()
+        conn.sendall(b"|" + hasher.hexdigest().encode())
+    path = serve_unix(tmp_path, send_then_digest)
+    upload = os.urandom(16 << 20)
+    with proxy_process(["unix" + path], stdio) as proxy:
+        writer = threading.Thread(target=lambda: (proxy.write(upload), proxy.close_stdin()))
+        writer.start()
+        received = proxy.read_to_eof(timeout=60)
+        writer.join()
+        assert proxy.wait() == 0
+    assert received[:len(download)] == download
+    assert received[len(download):] == b"|" + hashlib.sha256(upload).hexdigest().encode()
+
+
+@BOTH_PATHS
+def test_keystrokes_come_back_one_at_a_time(tmp_path, stdio):
+    """Interactive typing: each byte must be forwarded alone and at once.  A
+    blocking splice into the stdout pipe would hold the pipe's lock while it
+    waits for the next packet, so the reader never sees the reply: this
+    ping-pong would then stall at the first round (bounded wait, no timing)."""
+    path = serve_unix(tmp_path, echo)
+    with proxy_process(["unix" + path], stdio) as proxy:
+        for i in range(300):
+            key = bytes([32 + i % 90])
+            proxy.write(key)
+            assert proxy.read_exactly(1, timeout=5) == key
+
+
+@BOTH_PATHS
+def test_peer_reset_mid_stream_is_one_line_and_exit_1(tmp_path, stdio):
+    def reset(conn):
+        conn.sendall(b"partial")
+        conn.recv(1)                 # data arrives and is left unread, then close:
+        # on AF_UNIX, closing with unread data resets the peer (ECONNRESET)
+    path = serve_unix(tmp_path, reset)
+    with proxy_process(["unix" + path], stdio) as proxy:
+        assert proxy.read_exactly(7) == b"partial"
+        proxy.write(b"xyz" * 1000)
+        assert proxy.wait() == 1
+        assert proxy.stderr() == (
+            b"vsock-proxy: unix%s: connection reset by the peer (ECONNRESET)\n" % path.encode())
+
+
+@BOTH_PATHS
+def test_stdout_closed_ends_the_proxy_quietly(tmp_path, stdio):
+    def flood(conn):
+        chunk = b"x" * 65536
+        try:
+            while True:
+                conn.sendall(chunk)
+        except OSError:
+            pass
+    path = serve_unix(tmp_path, flood)
+    with proxy_process(["unix" + path], stdio) as proxy:
+        proxy.read_exactly(65536)
+        proxy.close_stdout()
+        assert proxy.wait() == 0
+        assert proxy.stderr() == b""
+
+
+@BOTH_PATHS
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGTERM])
+def test_hangup_and_terminate_end_the_proxy_quietly(tmp_path, stdio, signum):
+    """ssh sends SIGHUP to its ProxyCommand when the session ends."""
+    path = serve_unix(tmp_path, echo)
+    with proxy_process(["unix" + path], stdio) as proxy:
+        proxy.write(b"ping")
+        assert proxy.read_exactly(4) == b"ping"
+        proxy.process.send_signal(signum)
+        assert proxy.wait() == -signum
+        assert proxy.stderr() == b""
+
+
+@BOTH_PATHS
+def test_slow_reader_keeps_the_proxy_memory_bounded(tmp_path, stdio):
+    """Backpressure: a fast sender and a reader that stalls must not make the
+    proxy buffer what the reader has not taken."""
+    def flood(conn):
+        chunk = os.urandom(1 << 20)
+        try:
+            for _ in range(256):
+                conn.sendall(chunk)
+        except OSError:
+            pass
+    path = serve_unix(tmp_path, flood)
+    with proxy_process(["unix" + path], stdio) as proxy:
+        proxy.read_exactly(1 << 20)
+        threading.Event().wait(1.0)        # the reader stalls; the sender does not
+        peak_kib = proxy.peak_memory_kib()
+        total = (1 << 20) + len(proxy.read_to_eof(timeout=60))
+    assert total == 256 << 20
+    assert peak_kib < 64 * 1024, "proxy grew to %d KiB while the reader stalled" % peak_kib

@@ -1,0 +1,128 @@
+"""The TARGET and PORT grammar, and the command line around it.
+
+Every valid form parses to the address systemd-ssh-proxy would use; every
+bad input is a usage error (exit 2) with one line that names what is wrong.
+"""
+
+import pytest
+
+import vsock_proxy
+from vsock_proxy import Target, UsageError, main, parse_target
+
+VALID = [
+    ("vsock/3", 22, Target("vsock", 3, 22, "")),
+    ("vsock%3", 22, Target("vsock", 3, 22, "")),
+    ("vsock/0", 22, Target("vsock", 0, 22, "")),
+    ("vsock/4294967294", 22, Target("vsock", 4294967294, 22, "")),
+    ("vsock/hypervisor", 22, Target("vsock", 0, 22, "")),
+    ("vsock/local", 22, Target("vsock", 1, 22, "")),
+    ("vsock%host", 22, Target("vsock", 2, 22, "")),
+    ("vsock/3", "2222", Target("vsock", 3, 2222, "")),
+    ("vsock/3", "0", Target("vsock", 3, 0, "")),
+    ("vsock/3", "4294967294", Target("vsock", 3, 4294967294, "")),
+    ("unix/run/vm.sock", 22, Target("unix", "/run/vm.sock", None, "")),
+    ("unix//run/vm.sock", 22, Target("unix", "/run/vm.sock", None, "")),
+    ("unix/./vm.sock", 22, Target("unix", "./vm.sock", None, "")),
+    ("unix%run/vm.sock", 22, Target("unix", "/run/vm.sock", None, "")),
+    ("unix/run/VM/Ssh.sock", 22, Target("unix", "/run/VM/Ssh.sock", None, "")),
+    ("unix/run/vm.sock", "9", Target("unix", "/run/vm.sock", None, "")),
+    ("vsock-mux/run/fc.vsock", 22, Target("vsock-mux", "/run/fc.vsock", 22, "")),
+    ("vsock-mux%run/fc.vsock", "1024", Target("vsock-mux", "/run/fc.vsock", 1024, "")),
+    ("vsock-mux/./fc.vsock", 22, Target("vsock-mux", "./fc.vsock", 22, "")),
+    ("machine/fedora", 22, Target("machine", "fedora", 22, "")),
+    ("machine%fedora", 22, Target("machine", "fedora", 22, "")),
+    (".host", 22, Target("unix", "/run/ssh-unix-local/socket", None, "")),
+    ("machine/.host", 22, Target("unix", "/run/ssh-unix-local/socket", None, "")),
+]
+
+
+@pytest.mark.parametrize("text, port, expected", VALID)
+def test_valid_target_parses_to_its_address(text, port, expected):
+    assert parse_target(text, port) == expected
+
+
+def test_target_keeps_the_text_as_typed_for_messages():
+    assert str(parse_target("vsock%local")) == "vsock%local"
+
+
+# (argv, words the single error line must contain)
+USAGE_ERRORS = [
+    ([], "no TARGET given"),
+    ([""], "empty TARGET"),
+    (["vsock/3", "22", "extra"], "unexpected argument 'extra'"),
+    (["tcp/3"], "unknown TARGET 'tcp/3'"),
+    (["vsock"], "unknown TARGET 'vsock'"),
+    (["3"], "unknown TARGET '3'"),
+    (["VSOCK/3"], "unknown TARGET"),
+    (["vsock/"], "no CID after the prefix"),
+    (["vsock/abc"], "CID 'abc' is not a decimal number"),
+    (["vsock/-1"], "CID '-1' is not a decimal number"),
+    (["vsock/+3"], "CID '+3' is not a decimal number"),
+    (["vsock/0x3"], "CID '0x3' is not a decimal number"),
+    (["vsock/\u0663"], "is not a decimal number"),   # Arabic-Indic three
+    (["vsock/4294967295"], "CID 4294967295 means 'any'"),
+    (["vsock/4294967296"], "CID 4294967296 is out of range (0 to 4294967294)"),
+    (["vsock/3:/tmp"], "write vsock%3:/tmp"),
+    (["vsock%3:"], "after the CID is not part of an address"),
+    (["vsock/3 4"], "white space"),
+    (["vsock/3\t"], "white space"),
+    (["unix/run/x\x1b[2J"], "control characters"),
+    (["unix/"], "no socket path after the prefix"),
+    (["unix%"], "no socket path after the prefix"),
+    (["vsock-mux/"], "no socket path after the prefix"),
+    (["unix/" + "d" * 120], "longer than the 107 bytes AF_UNIX allows"),
+    (["machine/"], "expected machine/NAME"),
+    (["machine/a/b"], "expected machine/NAME"),
+    (["vsock/3", "ssh"], "PORT 'ssh' is not a decimal number"),
+    (["vsock/3", "-1"], "unknown option '-1'"),
+    (["vsock/3", "4294967295"], "PORT 4294967295 means 'any'"),
+    (["vsock/3", "99999999999"], "PORT 99999999999 is out of range"),
+    (["vsock/3", ""], "PORT '' is not a decimal number"),
+    (["--bogus", "vsock/3"], "unknown option '--bogus'"),
+    (["--timeout"], "--timeout needs a number of seconds"),
+    (["--timeout", "soon", "vsock/3"], "--timeout takes a number of seconds above 0, not 'soon'"),
+    (["--timeout", "0", "vsock/3"], "--timeout takes a number of seconds above 0"),
+    (["--timeout=-1", "vsock/3"], "--timeout takes a number of seconds above 0"),
+    (["--timeout", "nan", "vsock/3"], "--timeout takes a number of seconds"),
+    (["--wait", "-5", "vsock/3"], "--wait takes a number of seconds, not '-5'"),
+    (["--fdpass", "--check", "unix/x"], "--fdpass and --check do not go together"),
+]
+
+
+@pytest.mark.parametrize("argv, message", USAGE_ERRORS)
+def test_bad_input_is_a_usage_error_with_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("vsock-proxy: ") and err.count("\n") == 1
+    assert message in err
+
+
+def test_parse_target_raises_usage_error_for_the_api():
+    with pytest.raises(UsageError, match="unknown TARGET"):
+        parse_target("tcp/3")
+
+
+def test_options_may_come_after_the_target(capsys):
+    options = vsock_proxy.parse_command_line(["unix/x", "--timeout=2.5", "-v", "--wait", "7"])
+    assert (options.timeout, options.verbose, options.wait) == (2.5, True, 7.0)
+    assert options.target == Target("unix", "/x", None, "")
+
+
+def test_double_dash_ends_the_options():
+    options = vsock_proxy.parse_command_line(["--", "vsock/3", "22"])
+    assert options.target == Target("vsock", 3, 22, "")
+
+
+def test_help_teaches_every_target_form_with_examples(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for form in ("vsock/CID", "unix/PATH", "vsock-mux/PATH", "machine/NAME", ".host",
+                 "--fdpass", "--timeout", "--wait", "--check", "--ssh-config",
+                 "PORT is ignored", "examples:", "scp notes.txt vsock%3:/tmp/"):
+        assert form in out
+
+
+def test_version_prints_the_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == "vsock-proxy %s\n" % vsock_proxy.__version__

@@ -1,0 +1,888 @@
+#!/usr/bin/env python3
+"""vsock-proxy: an OpenSSH ProxyCommand for virtual machines over vsock.
+
+It connects to a VM's sshd over AF_VSOCK, an AF_UNIX socket, or a VMM's
+hybrid-vsock muxer socket, and then either hands the connected socket to ssh
+(--fdpass, for ``ProxyUseFdpass yes``) or relays ssh's stdin and stdout to it.
+The data flows through this file top to bottom: parse the target, connect
+(one function per address kind), hand over or relay, report errors.
+
+Standard library only.  Start-up cost matters (ssh waits for the proxy on
+every login), so only os, socket and sys are imported up front; everything
+else is imported where it is needed.
+"""
+
+import os
+import socket
+import sys
+
+__version__ = "0.1.0"
+
+DEFAULT_PORT = 22
+DEFAULT_TIMEOUT = 5.0
+VMADDR_CID_ANY = 0xFFFFFFFF       # "any CID": valid for bind(), never a destination
+CID_NAMES = {"hypervisor": 0, "local": 1, "host": 2}
+LOCAL_SSHD_SOCKET = "/run/ssh-unix-local/socket"   # systemd-ssh-generator's local sshd
+UNIX_PATH_MAX = 107               # sizeof(sun_path) - 1 on Linux
+
+HELP = """\
+usage: vsock-proxy [OPTIONS] TARGET [PORT]
+       vsock-proxy --ssh-config
+
+Connect ssh to a virtual machine over vsock.  Use it as an OpenSSH
+ProxyCommand, or on its own to pipe data to a VM's port.
+
+TARGET (the separator after the prefix may be '/' or '%'; scp and sftp
+need '%', because they read a '/' before ':' as a local path):
+  vsock/CID          AF_VSOCK; CID is a number or hypervisor (0), local (1),
+                     host (2).  e.g. vsock/3, vsock%3
+  unix/PATH          an AF_UNIX socket that leads to the guest port (vfkit,
+                     krunkit, Lima, a socat bridge).  A '/' is put in front
+                     unless PATH starts with '/' or './'.  PORT is ignored.
+  vsock-mux/PATH     a VMM's hybrid-vsock socket (Firecracker, Cloud
+                     Hypervisor, vhost-device-vsock): sends "CONNECT PORT".
+  machine/NAME       a VM registered with systemd-machined (systemd-vmspawn).
+  .host              this host's own sshd on unix/run/ssh-unix-local/socket.
+PORT                 the guest's vsock port (default 22).
+
+options:
+  --fdpass           hand the connected socket to ssh and exit; needs
+                     "ProxyUseFdpass yes" (fastest: ssh then owns the socket)
+  --timeout SECONDS  deadline for each connection attempt, handshake
+                     included (default 5)
+  --wait SECONDS     keep retrying while the VM is still booting (no socket
+                     yet, nothing listening, no answer) for up to SECONDS
+  --check            connect, then close and exit 0 if the guest port
+                     answered, 1 if not; prints nothing unless -v
+  -v, --verbose      say on stderr what is connected to, and how
+  --ssh-config       print an ssh_config snippet that runs this installation
+  --version          print the version
+  -h, --help         show this help
+
+examples:
+  ssh vsock/3                          with the snippet Included (see below)
+  scp notes.txt vsock%3:/tmp/
+  ssh -o ProxyCommand='vsock-proxy %n %p' vsock/3
+  ssh -o ProxyCommand='vsock-proxy --fdpass %n %p' \\
+      -o ProxyUseFdpass=yes unix/run/vm/ssh.sock
+  echo hello | vsock-proxy unix/tmp/echo.sock
+  vsock-proxy --check --wait 60 vsock-mux/run/firecracker.vsock && ssh ...
+  vsock-proxy --ssh-config > ~/.ssh/vsock-proxy.conf
+      then put "Include ~/.ssh/vsock-proxy.conf" at the top of ~/.ssh/config
+
+exit status: 0 success, 1 connection failure, 2 usage error.
+"""
+
+# Host-key policy, stated once here and in the README: VM addresses are
+# ephemeral (CIDs are handed to the next VM, mux sockets and machine names
+# come back with every new VM), so pinning their host keys only produces false
+# alarms; unix socket paths and the local host are stable and are checked.
+SSH_CONFIG = """\
+# vsock-proxy: ssh to virtual machines over vsock.
+#   ssh vsock/3   ssh unix/run/vm.sock   ssh vsock-mux/run/fc.vsock
+#   ssh machine/NAME   ssh .host   scp FILE vsock%3:/tmp/
+# Include this file at the top of ~/.ssh/config (before any "Host *").
+# %n, not %h: ssh lowercases %h, which breaks unix paths with capitals.
+
+# VM addresses are reused by other VMs: do not pin their host keys.
+Host vsock/* vsock%* vsock-mux/* vsock-mux%* machine/* machine%*
+    ProxyCommand {command} --fdpass %n %p
+    ProxyUseFdpass yes
+    CheckHostIP no
+    StrictHostKeyChecking no
+    UserKnownHostsFile /dev/null
+
+# Socket paths and this host are stable: host keys are checked as usual.
+Host unix/* unix%* .host
+    ProxyCommand {command} --fdpass %n %p
+    ProxyUseFdpass yes
+    CheckHostIP no
+"""
+
+
+# ---------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------
+
+class Error(Exception):
+    """A failure with the one-line message the command prints."""
+
+    exit_status = 1
+
+
+class UsageError(Error):
+    """The command line or the target is wrong: exit status 2."""
+
+    exit_status = 2
+
+
+class ConnectError(Error):
+    """The target could not be reached: exit status 1.
+
+    ``transient`` marks the failures a booting VM produces, which --wait
+    retries: the socket file is not there yet, nothing listens yet, no answer.
+    """
+
+    def __init__(self, message, transient=False):
+        super().__init__(message)
+        self.transient = transient
+
+
+def printable(text):
+    """Escape control characters, so that bytes from a peer (or a path)
+    cannot send escape sequences to the user's terminal."""
+    if isinstance(text, bytes):
+        text = text.decode("latin-1")
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def errno_name(exc):
+    import errno
+    return errno.errorcode.get(exc.errno, "errno %s" % exc.errno)
+
+
+def describe_os_error(exc):
+    """'Connection refused (ECONNREFUSED)', like systemd's '%m' plus the name."""
+    if isinstance(exc, socket.timeout) or exc.errno is None:
+        return str(exc) or type(exc).__name__
+    return "%s (%s)" % (exc.strerror or os.strerror(exc.errno), errno_name(exc))
+
+
+# ---------------------------------------------------------------------------
+# Parsing the target
+# ---------------------------------------------------------------------------
+
+class Target:
+    """A parsed TARGET.
+
+    kind is "vsock" (address: CID), "unix" or "vsock-mux" (address: socket
+    path) or "machine" (address: machine name); port is the guest port
+    (None for unix, which reaches exactly one port).  text is the target as
+    the user wrote it, for messages.
+    """
+
+    __slots__ = ("kind", "address", "port", "text")
+
+    def __init__(self, kind, address, port, text):
+        self.kind, self.address, self.port, self.text = kind, address, port, text
+
+    def __eq__(self, other):
+        return isinstance(other, Target) and (
+            (self.kind, self.address, self.port) ==
+            (other.kind, other.address, other.port))
+
+    def __repr__(self):
+        return "Target(%r, %r, %r)" % (self.kind, self.address, self.port)
+
+    def __str__(self):
+        return printable(self.text)
+
+    def describe(self):
+        """Where it connects, for -v: 'vsock CID 3 port 22'."""
+        if self.kind == "vsock":
+            return "vsock CID %d port %d" % (self.address, self.port)
+        if self.kind == "unix":
+            return "unix socket %s" % printable(self.address)
+        if self.kind == "vsock-mux":
+            return "vsock muxer %s port %d" % (printable(self.address), self.port)
+        return "machine %s port %d" % (printable(self.address), self.port)
+
+
+def parse_vsock_number(text, what):
+    """A CID or port: decimal, 32 bits, and not 4294967295, which vsock
+    reserves for "any" (VMADDR_CID_ANY, VMADDR_PORT_ANY): never a destination."""
+    if not (text.isascii() and text.isdigit()):
+        raise UsageError("%s '%s' is not a decimal number" % (what, printable(text)))
+    value = int(text)
+    if value > VMADDR_CID_ANY:
+        raise UsageError("%s %s is out of range (0 to %d)"
+                         % (what, text, VMADDR_CID_ANY - 1))
+    if value == VMADDR_CID_ANY:
+        raise UsageError("%s 4294967295 means 'any' to vsock and is no "
+                         "destination (0 to %d)" % (what, VMADDR_CID_ANY - 1))
+    return value
+
+
+def parse_port(text):
+    return parse_vsock_number(text, "PORT")
+
+
+def parse_cid(text, target):
+    if text in CID_NAMES:
+        return CID_NAMES[text]
+    if not text:
+        raise UsageError("%s: no CID after the prefix, e.g. vsock/3" % printable(target))
+    if ":" in text:
+        cid, _, rest = text.partition(":")
+        raise UsageError(
+            "%s: %r after the CID is not part of an address; scp and sftp read "
+            "a '/' before ':' as a local path: write vsock%%%s:%s"
+            % (printable(target), ":" + rest, cid, rest))
+    return parse_vsock_number(text, "CID")
+
+
+def parse_socket_path(text, target):
+    """systemd's rule: the path is absolute unless it starts with './'."""
+    if not text:
+        raise UsageError("%s: no socket path after the prefix, e.g. "
+                         "unix/run/vm.sock" % printable(target))
+    path = text if text.startswith(("/", "./")) else "/" + text
+    if len(os.fsencode(path)) > UNIX_PATH_MAX:
+        raise UsageError("%s: the socket path is longer than the %d bytes "
+                         "AF_UNIX allows; use a shorter path, or run from its "
+                         "directory with unix/./NAME" % (printable(target), UNIX_PATH_MAX))
+    return path
+
+
+def parse_machine_name(text, target):
+    if not text or "/" in text:
+        raise UsageError("%s: expected machine/NAME with a machine name as "
+                         "'machinectl list' shows it" % printable(target))
+    return text
+
+
+def parse_target(text, port=DEFAULT_PORT):
+    """Parse TARGET ('vsock/3', 'unix%run/vm.sock', ...) into a Target.
+
+    port may be an int or the PORT argument as a string.  Raises UsageError.
+    """
+    if isinstance(port, str):
+        port = parse_port(port)
+    if not text:
+        raise UsageError("empty TARGET; try vsock/CID, unix/PATH, "
+                         "vsock-mux/PATH or machine/NAME")
+    if any(c.isspace() or not c.isprintable() for c in text):
+        raise UsageError("TARGET %r contains white space or control characters"
+                         % text)
+    if text in (".host", "machine/.host", "machine%.host"):
+        return Target("unix", LOCAL_SSHD_SOCKET, None, text)
+    separator = min((i for i in (text.find("/"), text.find("%")) if i >= 0),
+                    default=-1)
+    kind, rest = text[:separator], text[separator + 1:]
+    if separator < 0 or kind not in ("vsock", "unix", "vsock-mux", "machine"):
+        raise UsageError("unknown TARGET %r; expected vsock/CID, unix/PATH, "
+                         "vsock-mux/PATH, machine/NAME or .host" % text)
+    if kind == "vsock":
+        return Target(kind, parse_cid(rest, text), port, text)
+    if kind == "unix":
+        return Target(kind, parse_socket_path(rest, text), None, text)
+    if kind == "vsock-mux":
+        return Target(kind, parse_socket_path(rest, text), port, text)
+    return Target(kind, parse_machine_name(rest, text), port, text)
+
+
+# ---------------------------------------------------------------------------
+# Connecting: one function per address kind
+# ---------------------------------------------------------------------------
+
+def timeval(seconds):
+    import struct
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
+
+
+def connect_vsock(target, timeout):
+    family = getattr(socket, "AF_VSOCK", None)
+    if family is None:
+        raise ConnectError(
+            "%s: this system has no AF_VSOCK (%s); reach the VM through its "
+            "VMM's socket instead: unix/PATH or vsock-mux/PATH"
+            % (target, sys.platform))
+    try:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ConnectError(
+            "%s: cannot create an AF_VSOCK socket: %s; is the vsock module "
+            "loaded (modprobe vhost_vsock)? Otherwise use unix/ or vsock-mux/"
+            % (target, describe_os_error(exc)))
+    try:
+        # The kernel gives up on a vsock connect after 2 s by default:
+        # make it wait as long as we do (SO_VM_SOCKETS_CONNECT_TIMEOUT).
+        sock.setsockopt(family, 6, timeval(timeout))
+        sock.settimeout(timeout)
+        sock.connect((target.address, target.port))
+        sock.settimeout(None)
+        return sock
+    except OSError as exc:
+        sock.close()
+        raise vsock_connect_error(target, exc, timeout)
+
+
+def vsock_connect_error(target, exc, timeout):
+    import errno
+    cid, port = target.address, target.port
+    code = errno.ETIMEDOUT if isinstance(exc, socket.timeout) else exc.errno
+    reason = describe_os_error(exc) if code != errno.ETIMEDOUT else \
+        "no answer within %gs (ETIMEDOUT)" % timeout
+    if code in (errno.ECONNRESET, errno.ECONNREFUSED):
+        return ConnectError(
+            "%s: nothing is listening on vsock port %d (%s): is sshd listening "
+            "on vsock port %d in the guest?" % (target, port, errno_name(exc), port),
+            transient=True)
+    if code == errno.ENODEV:
+        hint = ("is the vsock_loopback module loaded?" if cid == 1 else
+                "is the VM running, with a vsock device and this CID?")
+        return ConnectError("%s: no VM with CID %d (ENODEV): %s"
+                            % (target, cid, hint), transient=True)
+    if code == errno.ETIMEDOUT:
+        return ConnectError("%s: %s: the guest may still be booting; "
+                            "try --wait 60" % (target, reason), transient=True)
+    if code in (errno.ENETUNREACH, errno.EHOSTUNREACH):
+        return ConnectError("%s: %s: no vsock transport reaches CID %d"
+                            % (target, reason, cid), transient=True)
+    if code in (errno.EACCES, errno.EPERM):
+        return ConnectError("%s: permission denied (%s)" % (target, errno_name(exc)))
+    return ConnectError("%s: %s" % (target, reason))
+
+
+def connect_unix(target, timeout):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        # A blocking connect with SO_SNDTIMEO waits for room in a full listen
+        # backlog (a burst of connections); a non-blocking one fails at once
+        # with EAGAIN.  The option is cleared again: it would also limit
+        # every later send, and ssh inherits it with --fdpass.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(timeout))
+        sock.connect(target.address)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(0))
+        return sock
+    except OSError as exc:
+        sock.close()
+        raise unix_connect_error(target, exc, timeout)
+
+
+def unix_connect_error(target, exc, timeout):
+    import errno
+    path = printable(target.address)
+    if exc.errno == errno.ENOENT:
+        return ConnectError("%s: no such socket file: %s (ENOENT)%s"
+                            % (target, path, missing_path_hint(target.address)),
+                            transient=True)
+    if exc.errno == errno.ECONNREFUSED:
+        return ConnectError(
+            "%s: nothing accepts connections on %s (ECONNREFUSED): the VM or "
+            "the service behind the socket is not running" % (target, path),
+            transient=True)
+    if exc.errno in (errno.EAGAIN, errno.ETIMEDOUT):
+        return ConnectError("%s: %s stayed busy for %gs (its listen backlog "
+                            "is full)" % (target, path, timeout), transient=True)
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return ConnectError(
+            "%s: permission denied on %s (%s): run as a user who may open it "
+            "(its owner or group, or sudo)" % (target, path, errno_name(exc)))
+    return ConnectError("%s: cannot connect to %s: %s"
+                        % (target, path, describe_os_error(exc)))
+
+
+def missing_path_hint(path):
+    """Why a socket path the user typed may not exist: ssh's %h lowercases,
+    and scp/sftp pass 'HOST:PATH' whole when HOST contains a '/'."""
+    other_case = path_in_other_case(path)
+    if other_case:
+        return ("; there is %s: ssh lowercases %%h, use %%n in ProxyCommand"
+                % printable(other_case))
+    if ":" in path:
+        return ("; scp and sftp pass 'HOST:PATH' whole when HOST has a '/': "
+                "give the socket a Host alias in ssh_config")
+    return ""
+
+
+def path_in_other_case(path):
+    """The existing path that equals `path` but for letter case, or None."""
+    found = "/" if path.startswith("/") else "."
+    for name in path.split("/"):
+        if not name or os.path.exists(os.path.join(found, name)):
+            found = os.path.join(found, name)
+            continue
+        try:
+            matches = [n for n in os.listdir(found) if n.lower() == name.lower()]
+        except OSError:
+            return None
+        if not matches:
+            return None
+        found = os.path.join(found, matches[0])
+    found = os.path.normpath(found)
+    return found if found != os.path.normpath(path) else None
+
+
+MUX_REPLY_MAX = 32    # "OK 1073741824\n" is 14 bytes; room to show garbage
+
+
+def connect_vsock_mux(target, timeout):
+    """Firecracker / Cloud Hypervisor / vhost-device-vsock hybrid vsock:
+    send 'CONNECT <port>\\n', consume exactly the 'OK <n>\\n' reply."""
+    import time
+    deadline = time.monotonic() + timeout
+    sock = connect_unix(target, timeout)
+    try:
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        # One write: vhost-device-vsock drops a CONNECT line split in two.
+        sock.sendall(b"CONNECT %d\n" % target.port)
+        read_mux_reply(sock, target, timeout)
+        sock.settimeout(None)
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
+def read_mux_reply(sock, target, timeout):
+    """Consume the reply line and not one byte more: the guest's first bytes
+    (sshd's banner) follow at once, often in the same segment.  Peek, then
+    receive exactly the peeked bytes up to and including the newline."""
+    line = b""
+    while not line.endswith(b"\n"):
+        if len(line) >= MUX_REPLY_MAX:
+            raise ConnectError("%s: the VMM's reply is not 'OK <port>': %s... "
+                               "(no newline in %d bytes)"
+                               % (target, printable(line), len(line)))
+        try:
+            peeked = sock.recv(MUX_REPLY_MAX - len(line), socket.MSG_PEEK)
+            if peeked:
+                newline = peeked.find(b"\n")
+                line += sock.recv(newline + 1 if newline >= 0 else len(peeked))
+        except socket.timeout:
+            got = " after '%s'" % printable(line) if line else ""
+            raise ConnectError(
+                "%s: no reply to CONNECT %d within %gs%s: the guest's vsock "
+                "driver may not be up yet (try --wait)"
+                % (target, target.port, timeout, got), transient=True)
+        except ConnectionResetError:
+            raise ConnectError("%s: the VMM reset the connection after CONNECT "
+                               "%d: nothing listening on that port in the "
+                               "guest?" % (target, target.port), transient=True)
+        if not peeked:
+            got = " after '%s'" % printable(line) if line else ""
+            raise ConnectError(
+                "%s: the VM refused port %d%s: nothing listening in the guest, "
+                "or the guest is not up" % (target, target.port, got),
+                transient=True)
+    number = line[3:-1]
+    if not (line.startswith(b"OK ") and 1 <= len(number) <= 10 and number.isdigit()):
+        raise ConnectError("%s: the VMM's reply to CONNECT %d is not 'OK <port>': "
+                           "'%s'" % (target, target.port, printable(line)))
+
+
+def machined_sockets():
+    """systemd-machined's Varlink sockets, the user's instance first.
+    VSOCK_PROXY_RUN_DIR stands in for /run (tests serve a fake machined)."""
+    sockets = []
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        sockets.append(os.path.join(os.environ["XDG_RUNTIME_DIR"],
+                                    "systemd/machine/io.systemd.Machine"))
+    run_dir = os.environ.get("VSOCK_PROXY_RUN_DIR", "/run")
+    sockets.append(os.path.join(run_dir, "systemd/machine/io.systemd.Machine"))
+    return sockets
+
+
+def ask_machined(path, target, timeout):
+    """Call io.systemd.Machine.List for one machine.  Returns the reply's
+    parameters, None for NoSuchMachine; raises OSError if nobody answers."""
+    import json
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        call = {"method": "io.systemd.Machine.List",
+                "parameters": {"name": target.address}}
+        sock.sendall(json.dumps(call).encode() + b"\0")
+        reply = b""
+        while b"\0" not in reply:          # Varlink messages end with a NUL
+            chunk = sock.recv(65536)
+            if not chunk or len(reply) > 1 << 20:
+                raise ConnectError("%s: systemd-machined at %s sent no complete "
+                                   "reply" % (target, printable(path)))
+            reply += chunk
+    try:
+        message = json.loads(reply[:reply.index(b"\0")])
+        error, parameters = message.get("error"), message.get("parameters", {})
+    except (ValueError, AttributeError):
+        raise ConnectError("%s: systemd-machined at %s sent a reply that is "
+                           "not Varlink JSON" % (target, printable(path)))
+    if error == "io.systemd.Machine.NoSuchMachine":
+        return None
+    if error:
+        raise ConnectError("%s: systemd-machined answered %s"
+                           % (target, printable(str(error))))
+    return parameters
+
+
+def resolve_machine(target, timeout):
+    """machine/NAME -> the vsock/ or unix/ Target that reaches its sshd."""
+    name, asked = target.address, []
+    for path in machined_sockets():
+        try:
+            machine = ask_machined(path, target, timeout)
+        except OSError:
+            continue                       # this instance is not running
+        asked.append(path)
+        if machine is not None:
+            return machine_address(target, machine)
+    if not asked:
+        raise ConnectError("%s: systemd-machined is not running (no answer on %s)"
+                           % (target, " or ".join(map(printable, machined_sockets()))))
+    raise ConnectError("%s: systemd-machined knows no machine %s (see "
+                       "'machinectl list')" % (target, printable(name)),
+                       transient=True)
+
+
+def machine_address(target, machine):
+    cid = machine.get("vSockCid")
+    if isinstance(cid, int) and 0 <= cid < VMADDR_CID_ANY:
+        return Target("vsock", cid, target.port, "%s (vsock/%d)" % (target.text, cid))
+    address = machine.get("sshAddress")
+    if isinstance(address, str):
+        try:
+            resolved = parse_target(address, target.port)
+        except UsageError:
+            resolved = None
+        if resolved is not None and resolved.kind != "machine":
+            resolved.text = "%s (%s)" % (target.text, address)
+            return resolved
+    raise ConnectError("%s: the machine has no vsock CID and no ssh address "
+                       "vsock-proxy understands (class %s)"
+                       % (target, printable(str(machine.get("class")))))
+
+
+CONNECTORS = {
+    "vsock": connect_vsock,
+    "unix": connect_unix,
+    "vsock-mux": connect_vsock_mux,
+}
+
+
+def connect_once(target, timeout, log):
+    if target.kind == "machine":
+        target = resolve_machine(target, timeout)
+    log("connecting to %s" % target.describe())
+    return CONNECTORS[target.kind](target, timeout)
+
+
+def connect(target, port=DEFAULT_PORT, *, timeout=DEFAULT_TIMEOUT, wait=0.0,
+            log=None):
+    """Connect to TARGET and return the connected, blocking socket.
+
+    TARGET is a string ('vsock/3', 'unix/run/vm.sock', 'vsock-mux/PATH',
+    'machine/NAME', '.host') or a Target.  For vsock-mux the handshake is
+    done: the socket's first byte is the guest's.  timeout bounds each
+    attempt; with wait > 0, failures a booting VM produces are retried until
+    `wait` seconds have passed.  Raises UsageError or ConnectError, whose
+    message is the line the command prints.
+    """
+    import time
+    if not isinstance(target, Target):
+        target = parse_target(target, port)
+    log = log or (lambda message: None)
+    give_up = time.monotonic() + wait
+    backoff, attempt = 0.05, 0
+    while True:
+        attempt += 1
+        remaining = give_up - time.monotonic()
+        attempt_timeout = timeout if wait <= 0 else min(timeout, max(remaining, 0.05))
+        try:
+            return connect_once(target, attempt_timeout, log)
+        except ConnectError as exc:
+            remaining = give_up - time.monotonic()
+            if not exc.transient or remaining <= 0:
+                if attempt > 1:
+                    raise ConnectError("%s (gave up after %gs and %d attempts)"
+                                       % (exc, wait, attempt)) from None
+                raise
+            log("attempt %d: %s; retrying" % (attempt, exc))
+            time.sleep(min(backoff, remaining))
+            backoff = min(backoff * 2, 1.0)
+
+
+# ---------------------------------------------------------------------------
+# Handing over: fd passing for ProxyUseFdpass
+# ---------------------------------------------------------------------------
+
+def stdout_is_unix_socket():
+    import stat
+    try:
+        if not stat.S_ISSOCK(os.fstat(1).st_mode):
+            return False
+        with socket.socket(fileno=os.dup(1)) as out:
+            return out.family == socket.AF_UNIX
+    except OSError:
+        return False
+
+
+def pass_fd(sock):
+    """Send the socket to ssh: one NUL data byte plus the fd (SCM_RIGHTS),
+    exactly what ssh's mm_receive_fd expects."""
+    with socket.socket(fileno=os.dup(1)) as out:
+        socket.send_fds(out, [b"\0"], [sock.fileno()])
+
+
+# ---------------------------------------------------------------------------
+# Relaying: stdin -> socket and socket -> stdout
+# ---------------------------------------------------------------------------
+# Two directions run until the socket's side ends:
+#   up:   stdin EOF -> shutdown(SHUT_WR), and keep delivering what comes back;
+#   down: socket EOF -> close stdout; done once the peer has closed entirely
+#         (or we have shut down too), so a peer that only half-closed still
+#         gets the rest of stdin.
+# Every read is forwarded at once: no MSG_MORE, no timers, no batching.
+
+SPLICE_CHUNK = 1 << 20
+COPY_CHUNK = 256 * 1024
+PIPE_SIZE = 1 << 20
+
+
+def relay(sock, target, log):
+    """Relay until done; returns the exit status."""
+    import stat
+
+    def is_pipe(fd):
+        try:
+            return stat.S_ISFIFO(os.fstat(fd).st_mode)
+        except OSError:
+            return False
+    try:
+        if hasattr(os, "splice") and is_pipe(0) and is_pipe(1):
+            log("relaying with splice (zero-copy)")
+            relay_splice(sock)
+        else:
+            log("relaying with read/write")
+            relay_copy(sock)
+    except ConnectionResetError:
+        raise ConnectError("%s: connection reset by the peer (ECONNRESET)" % target)
+    except BrokenPipeError:
+        pass                   # stdout's reader (ssh) has gone: nothing to say
+    return 0
+
+
+def grow_pipe(fd):
+    """Bigger pipes mean fewer wake-ups per megabyte; the limit
+    (/proc/sys/fs/pipe-max-size, 1 MiB by default) may refuse it."""
+    import fcntl
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+    except OSError:
+        pass
+
+
+def relay_splice(sock):
+    """Linux fast path: both stdio fds are pipes, so os.splice moves data
+    between them and the socket inside the kernel.
+
+    Every splice is SPLICE_F_NONBLOCK on a non-blocking socket, after poll
+    said it can go: a blocking splice into the stdout pipe would hold the
+    pipe's lock while it waits for the socket, stalling ssh's read of that
+    pipe (an interactive session freezes).  EAGAIN means the other end is
+    full (or empty): wait for that end instead.  O_NONBLOCK is never set on
+    stdin/stdout, because the flag is shared with the process that gave them.
+    """
+    import select
+    IN, ENDED = select.POLLIN, select.POLLHUP | select.POLLERR
+    sock.setblocking(False)
+    grow_pipe(0)
+    grow_pipe(1)
+    sock_fd = sock.fileno()
+    # Each direction waits on one (fd, event) at a time.
+    up = (0, IN)            # stdin -> socket; None once stdin has ended
+    down = (sock_fd, IN)    # socket -> stdout; None once the socket has ended
+    poller = select.poll()
+    while True:
+        wanted = {}
+        for waiting in (up, down):
+            if waiting:
+                wanted[waiting[0]] = wanted.get(waiting[0], 0) | waiting[1]
+        if down is None:
+            if up is None:
+                return
+            wanted.setdefault(sock_fd, 0)    # POLLHUP: the peer closed entirely
+        for fd in (0, 1, sock_fd):
+            if fd in wanted:
+                poller.register(fd, wanted[fd])
+            else:
+                try:
+                    poller.unregister(fd)
+                except KeyError:
+                    pass
+        ready = dict(poller.poll())
+        if down is None and ready.get(sock_fd, 0) & ENDED:
+            return
+        if up and ready.get(up[0], 0) & (up[1] | ENDED):
+            up = splice_step(0, sock_fd, up, on_eof=lambda: sock.shutdown(socket.SHUT_WR))
+        if down and ready.get(down[0], 0) & (down[1] | ENDED):
+            down = splice_step(sock_fd, 1, down, on_eof=lambda: os.close(1))
+
+
+def splice_step(src, dst, waiting, on_eof):
+    """One splice from src to dst; returns what the direction waits on next,
+    or None when it has ended."""
+    import select
+    try:
+        moved = os.splice(src, dst, SPLICE_CHUNK, flags=os.SPLICE_F_NONBLOCK)
+    except BlockingIOError:
+        # We came because one end was ready; the other one is not.
+        return (dst, select.POLLOUT) if waiting[0] == src else (src, select.POLLIN)
+    except BrokenPipeError:
+        if dst == 1:
+            raise
+        return None            # the peer stopped reading: let down finish
+    if moved == 0:
+        on_eof()
+        return None
+    return (src, select.POLLIN)
+
+
+def relay_copy(sock):
+    """Portable path (macOS, Python < 3.10, stdio that is not a pipe): one
+    thread per direction with blocking reads and writes, so neither side can
+    stall the other and each holds at most one buffer."""
+    import threading
+    upload = threading.Thread(target=copy_stdin_to_socket, args=(sock,), daemon=True)
+    upload.start()
+    while True:
+        data = sock.recv(COPY_CHUNK)
+        if not data:
+            break
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(1, view):]
+        except (BrokenPipeError, ConnectionResetError):
+            return             # stdout's reader has gone (a socket may say reset)
+    os.close(1)
+    wait_for_hangup(sock)
+
+
+def copy_stdin_to_socket(sock):
+    try:
+        while True:
+            data = os.read(0, COPY_CHUNK)
+            if not data:
+                break
+            sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass    # the peer stopped reading; the socket side reports what matters
+
+
+def wait_for_hangup(sock):
+    """After the socket's EOF, wait until the peer has closed entirely (or our
+    upload has finished and shut down its side), which poll shows as POLLHUP."""
+    import select
+    poller = select.poll()
+    poller.register(sock.fileno(), 0)
+    poller.poll()
+
+
+# ---------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------
+
+class Options:
+    fdpass = check = verbose = False
+    timeout = DEFAULT_TIMEOUT
+    wait = 0.0
+    target = None
+
+
+def parse_seconds(option, text):
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < 1e6 or (option == "--timeout" and seconds == 0):
+        raise UsageError("%s takes a number of seconds%s, not %r"
+                         % (option, " above 0" if option == "--timeout" else "", text))
+    return seconds
+
+
+def parse_command_line(args):
+    """Returns Options, or a string to print for --help/--version/--ssh-config.
+    Hand-written rather than argparse, which costs milliseconds per login."""
+    options, positional = Options(), []
+    args = list(args)
+    while args:
+        arg = args.pop(0)
+        if arg in ("-h", "--help"):
+            return HELP
+        if arg == "--version":
+            return "vsock-proxy %s\n" % __version__
+        if arg == "--ssh-config":
+            return SSH_CONFIG.format(command=this_command())
+        if arg == "--fdpass":
+            options.fdpass = True
+        elif arg == "--check":
+            options.check = True
+        elif arg in ("-v", "--verbose"):
+            options.verbose = True
+        elif arg.split("=", 1)[0] in ("--timeout", "--wait"):
+            option, has_value, value = arg.partition("=")
+            if not has_value:
+                if not args:
+                    raise UsageError("%s needs a number of seconds" % option)
+                value = args.pop(0)
+            setattr(options, option[2:], parse_seconds(option, value))
+        elif arg == "--":
+            positional.extend(args)
+            break
+        elif arg.startswith("-") and arg != "-":
+            raise UsageError("unknown option %r (see --help)" % printable(arg))
+        else:
+            positional.append(arg)
+    if not positional:
+        raise UsageError("no TARGET given; try vsock-proxy vsock/3, or --help")
+    if len(positional) > 2:
+        raise UsageError("unexpected argument %r after TARGET and PORT"
+                         % printable(positional[2]))
+    options.target = parse_target(*positional)
+    if options.fdpass and options.check:
+        raise UsageError("--fdpass and --check do not go together")
+    return options
+
+
+def this_command():
+    """How ssh should run this very installation, for --ssh-config."""
+    import shlex
+    program = os.path.abspath(sys.argv[0])
+    if program.endswith(".py"):
+        return "%s %s" % (shlex.quote(sys.executable), shlex.quote(program))
+    return shlex.quote(program)
+
+
+def main(argv=None):
+    """Run the command; returns the exit status."""
+    options = None
+    try:
+        options = parse_command_line(sys.argv[1:] if argv is None else argv)
+        if isinstance(options, str):
+            sys.stdout.write(options)
+            return 0
+        if options.fdpass and not stdout_is_unix_socket():
+            raise UsageError("--fdpass needs stdout to be a unix socket: add "
+                             "'ProxyUseFdpass yes' to ssh_config, or drop --fdpass")
+        log = (lambda message: print("vsock-proxy:", message, file=sys.stderr)) \
+            if options.verbose else None
+        sock = connect(options.target, timeout=options.timeout,
+                       wait=options.wait, log=log)
+        with sock:
+            if options.check:
+                return 0
+            if options.fdpass:
+                pass_fd(sock)
+                return 0
+            return relay(sock, options.target, log or (lambda message: None))
+    except Error as exc:
+        report(str(exc))
+        return exc.exit_status
+    except OSError as exc:
+        report("%s: %s" % (options.target if options else "?", describe_os_error(exc)))
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def report(message):
+    try:
+        print("vsock-proxy:", message, file=sys.stderr)
+    except OSError:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())
