@@ -296,9 +296,7 @@ def connect_vsock(target, timeout):
             "loaded (modprobe vhost_vsock)? Otherwise use unix/ or vsock-mux/"
             % (target, describe_os_error(exc)))
     try:
-        # The kernel gives up on a vsock connect after 2 s by default:
-        # make it wait as long as we do (SO_VM_SOCKETS_CONNECT_TIMEOUT).
-        sock.setsockopt(family, 6, timeval(timeout))
+        set_vsock_connect_timeout(sock, timeout)
         sock.settimeout(timeout)
         sock.connect((target.address, target.port))
         sock.settimeout(None)
@@ -306,6 +304,17 @@ def connect_vsock(target, timeout):
     except OSError as exc:
         sock.close()
         raise vsock_connect_error(target, exc, timeout)
+
+
+def set_vsock_connect_timeout(sock, seconds):
+    """The kernel gives up on a vsock connect after 2 s by default: make it
+    wait as long as we do.  SO_VM_SOCKETS_CONNECT_TIMEOUT (6) takes a struct
+    timeval, but Python's setsockopt on an AF_VSOCK socket only passes a
+    64-bit integer (EINVAL); a socket object over a dup of the fd that
+    believes it is AF_UNIX passes the bytes as they are."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM,
+                       fileno=os.dup(sock.fileno())) as same_socket:
+        same_socket.setsockopt(sock.family, 6, timeval(seconds))
 
 
 def vsock_connect_error(target, exc, timeout):
@@ -875,6 +884,12 @@ def main(argv=None):
         return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:             # a bug: still one line, unless -v
+        if options and getattr(options, "verbose", False):
+            raise
+        report("internal error: %s: %s (run with -v for the traceback, and "
+               "please report it)" % (type(exc).__name__, exc))
+        return 1
 
 
 def report(message):

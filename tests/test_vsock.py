@@ -84,6 +84,23 @@ def vsock_echo():
     listener.close()
 
 
+@pytest.mark.skipif(not IN_LAB_VM, reason="unloads a kernel module: only in the throw-away lab VM")
+def test_cid_without_a_transport_is_enodev():
+    """With the loopback transport unloaded, CID 1 has no VM behind it: the
+    kernel says ENODEV at once (the lab VM has no other transport).  First in
+    this file: the module can only be unloaded while no connection uses it."""
+    if subprocess.run(["modprobe", "-r", "vsock_loopback"]).returncode != 0:
+        pytest.skip("vsock_loopback is in use and cannot be unloaded")
+    try:
+        result = run_proxy("--timeout", "3", "vsock/1", str(UNUSED_PORT), timeout=15)
+    finally:
+        subprocess.run(["modprobe", "vsock_loopback"], check=True)
+    assert result.returncode == 1
+    assert result.stderr.decode() == (
+        "vsock-proxy: vsock/1: no VM with CID 1 (ENODEV): is the vsock_loopback module "
+        "loaded?\n")
+
+
 def snippet_config(sshd):
     return sshd.ssh_config("Include %s\n" % (ROOT / "ssh_config.d" / "vsock-proxy.conf"))
 
@@ -168,19 +185,3 @@ def test_wait_gives_up_on_a_port_that_never_opens():
     assert result.stderr.decode().startswith(
         "vsock-proxy: vsock/local: nothing is listening on vsock port %d (ECONNRESET)" % UNUSED_PORT)
     assert "(gave up after 1s and " in result.stderr.decode()
-
-
-@pytest.mark.skipif(not IN_LAB_VM, reason="unloads a kernel module: only in the throw-away lab VM")
-def test_cid_without_a_transport_is_enodev():
-    """With the loopback transport unloaded, CID 1 has no VM behind it: the
-    kernel says ENODEV at once (the lab VM has no other transport)."""
-    if subprocess.run(["modprobe", "-r", "vsock_loopback"]).returncode != 0:
-        pytest.skip("vsock_loopback is in use and cannot be unloaded")
-    try:
-        result = run_proxy("--timeout", "3", "vsock/1", str(UNUSED_PORT), timeout=15)
-    finally:
-        subprocess.run(["modprobe", "vsock_loopback"], check=True)
-    assert result.returncode == 1
-    assert result.stderr.decode() == (
-        "vsock-proxy: vsock/1: no VM with CID 1 (ENODEV): is the vsock_loopback module "
-        "loaded?\n")
