@@ -144,3 +144,17 @@ def test_fdpass_without_a_socket_on_stdout_says_proxyusefdpass_is_missing(tmp_pa
 def test_control_characters_from_paths_are_escaped():
     assert vsock_proxy.printable("a\x1b[31mb\n") == "a\\x1b[31mb\\n"
     assert vsock_proxy.printable(b"\x9b2J\x07ok") == "\\x9b2J\\x07ok"
+
+
+@pytest.mark.parametrize("kind", ["regular file", "directory"])
+def test_a_path_that_is_no_socket_says_so_and_is_not_retried(tmp_path, kind, capsys):
+    path = tmp_path / "not-a-socket"
+    path.mkdir() if kind == "directory" else path.write_text("")
+    assert main(["--wait", "30", "unix%s" % path]) == 1
+    assert capsys.readouterr().err == "vsock-proxy: unix%s: %s is not a socket\n" % (path, path)
+
+
+def test_tiny_timeouts_stay_timeouts():
+    """0 in a struct timeval means 'wait forever': a positive time never rounds to it."""
+    assert vsock_proxy.timeval(1e-9) == vsock_proxy.timeval(0.000001) != vsock_proxy.timeval(0)
+    assert vsock_proxy.timeval(2.5) == vsock_proxy.timeval(2) [:8] + vsock_proxy.timeval(0.5)[8:]

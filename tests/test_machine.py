@@ -21,6 +21,7 @@ class FakeMachined:
         socket_dir = runtime_dir / "systemd" / "machine"
         socket_dir.mkdir(parents=True)
         self.machines, self.calls = machines, []
+        self.reply_override = None          # a whole reply message, to answer malformed
         self.listener = unix_listener(socket_dir / "io.systemd.Machine")
         threading.Thread(target=self.serve, daemon=True).start()
 
@@ -37,7 +38,9 @@ class FakeMachined:
                 call = json.loads(request[:-1])
                 self.calls.append(call)
                 name = call["parameters"]["name"]
-                if isinstance(self.machines.get(name), str):    # an error to answer
+                if self.reply_override is not None:
+                    reply = self.reply_override
+                elif isinstance(self.machines.get(name), str):    # an error to answer
                     reply = {"error": self.machines[name], "parameters": {}}
                 elif name in self.machines:
                     reply = {"parameters": self.machines[name]}
@@ -144,3 +147,18 @@ def test_other_varlink_errors_are_named(machined):
     assert result.returncode == 1
     assert result.stderr == (b"vsock-proxy: machine/fedora: systemd-machined answered "
                              b"org.varlink.service.PermissionDenied\n")
+
+
+@pytest.mark.parametrize("reply", [[], None, "yes"])
+def test_a_reply_without_parameters_is_not_varlink(machined, reply):
+    machined("system", {"fedora": "placeholder"}).reply_override = {"parameters": reply}
+    result = run_proxy("machine/fedora")
+    assert result.returncode == 1
+    assert result.stderr.decode().endswith("sent a reply that is not Varlink JSON\n")
+
+
+def test_a_boolean_is_no_cid(machined):
+    machined("system", {"fedora": vm(vSockCid=True)})
+    result = run_proxy("machine/fedora")
+    assert result.returncode == 1
+    assert b"the machine has no vsock CID" in result.stderr

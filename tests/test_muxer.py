@@ -2,7 +2,6 @@
 and vhost-device-vsock, against fakes that behave like them (NOTES.md
 section 3), failure modes included; and real ssh through such a muxer."""
 
-import os
 import socket
 import subprocess
 import sys
@@ -131,3 +130,12 @@ def test_ssh_through_a_muxer_with_the_shipped_snippet(sshd, muxer, vsock_proxy_o
     result = sshd.ssh("vsock-mux%" + mux.path.lstrip("/"), "echo snippet", config=config,
                       env=vsock_proxy_on_path)
     assert (result.returncode, result.stdout) == (0, b"snippet\n"), result.stderr
+
+
+def test_deadline_covers_a_reply_that_drips_too_slowly(muxer):
+    """Each byte arrives within the timeout, the whole line does not."""
+    mux = muxer("firecracker", "drip", drip_delay=0.4)
+    result = through(mux, "--timeout", "1", timeout=10)
+    assert result.returncode == 1
+    assert result.stderr.decode().startswith(
+        "vsock-proxy: vsock-mux%s: no reply to CONNECT 22 within 1s after 'OK " % mux.path)

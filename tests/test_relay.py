@@ -12,11 +12,12 @@ import hashlib
 import os
 import signal
 import socket
+import subprocess
 import threading
 
 import pytest
 
-from conftest import proxy_process, serve_unix
+from conftest import PROXY_ARGV, proxy_process, run_proxy, serve_unix
 
 BOTH_PATHS = pytest.mark.parametrize("stdio", ["pipe", "socket"])
 
@@ -24,7 +25,8 @@ BOTH_PATHS = pytest.mark.parametrize("stdio", ["pipe", "socket"])
 def expect_path(proxy, stdio):
     """The relay really took the path this run is about."""
     line = proxy.stderr_line()
-    assert line == ("vsock-proxy: relaying with splice (zero-copy)" if stdio == "pipe"
+    splice = stdio == "pipe" and hasattr(os, "splice")      # Python 3.10+
+    assert line == ("vsock-proxy: relaying with splice (zero-copy)" if splice
                     else "vsock-proxy: relaying with read/write")
 
 
@@ -205,3 +207,36 @@ def test_slow_reader_keeps_the_proxy_memory_bounded(tmp_path, stdio):
         total = (1 << 20) + len(proxy.read_to_eof(timeout=60))
     assert total == 256 << 20
     assert peak_kib < 64 * 1024, "proxy grew to %d KiB while the reader stalled" % peak_kib
+
+
+def closing(fd):
+    """preexec_fn: start the proxy with fd closed, as some launchers do."""
+    return lambda: os.close(fd)
+
+
+def test_closed_stdin_reads_as_eof(tmp_path):
+    path = serve_unix(tmp_path, lambda conn: (conn.sendall(b"banner\n"), echo(conn)))
+    result = run_proxy("unix" + path, stdin=None, preexec_fn=closing(0), timeout=10)
+    assert (result.returncode, result.stdout, result.stderr) == (0, b"banner\n", b"")
+
+
+def test_closed_stdout_does_not_send_the_peers_bytes_back(tmp_path):
+    received = []
+
+    def banner_then_record(conn):
+        conn.sendall(b"banner\n" * 1000)
+        received.append(b"".join(iter(lambda: conn.recv(65536), b"")))
+    path = serve_unix(tmp_path, banner_then_record)
+    proxy = subprocess.Popen(PROXY_ARGV + ["unix" + path], stdin=subprocess.PIPE,
+                             stderr=subprocess.PIPE, preexec_fn=closing(1))
+    proxy.stdin.write(b"from stdin")
+    proxy.stdin.flush()
+    threading.Event().wait(0.5)          # time for the banner to be bounced, were it so
+    _, err = proxy.communicate(timeout=10)
+    assert (proxy.returncode, err) == (0, b"")
+    assert received == [b"from stdin"]
+
+
+def test_closed_stderr_keeps_messages_out_of_stdout(tmp_path):
+    result = run_proxy("unix%s/none.sock" % tmp_path, stderr=None, preexec_fn=closing(2))
+    assert (result.returncode, result.stdout) == (1, b"")

@@ -4,6 +4,8 @@ Every valid form parses to the address systemd-ssh-proxy would use; every
 bad input is a usage error (exit 2) with one line that names what is wrong.
 """
 
+import os
+
 import pytest
 
 import vsock_proxy
@@ -41,6 +43,12 @@ def test_valid_target_parses_to_its_address(text, port, expected):
     assert parse_target(text, port) == expected
 
 
+def test_socket_path_may_hold_bytes_the_locale_cannot_decode():
+    """Such argv bytes arrive surrogate-escaped and must reach connect() as they were."""
+    target = parse_target("unix/tmp/s\udcff.sock")
+    assert os.fsencode(target.address) == b"/tmp/s\xff.sock"
+
+
 def test_target_keeps_the_text_as_typed_for_messages():
     assert str(parse_target("vsock%local")) == "vsock%local"
 
@@ -69,12 +77,15 @@ USAGE_ERRORS = [
     (["unix/run/x\x1b[2J"], "control characters"),
     (["unix/"], "no socket path after the prefix"),
     (["unix%"], "no socket path after the prefix"),
-    (["vsock-mux/"], "no socket path after the prefix"),
+    (["vsock-mux/"], "no socket path after the prefix, e.g. vsock-mux/run/vm.sock"),
     (["unix/" + "d" * 120], "longer than the 107 bytes AF_UNIX allows"),
     (["machine/"], "expected machine/NAME"),
     (["machine/a/b"], "expected machine/NAME"),
     (["vsock/3", "ssh"], "PORT 'ssh' is not a decimal number"),
-    (["vsock/3", "-1"], "unknown option '-1'"),
+    (["vsock/3", "-1"], "PORT '-1' is not a decimal number"),
+    (["vsock/" + "1" * 5000], "CID 111111111111... is out of range (0 to 4294967294)"),
+    (["vsock/3", "9" * 100000], "PORT 999999999999... is out of range"),
+    (["--\udcff", "vsock/3"], "unknown option '--\\udcff'"),
     (["vsock/3", "4294967295"], "PORT 4294967295 means 'any'"),
     (["vsock/3", "99999999999"], "PORT 99999999999 is out of range"),
     (["vsock/3", ""], "PORT '' is not a decimal number"),
@@ -126,3 +137,10 @@ def test_help_teaches_every_target_form_with_examples(capsys):
 def test_version_prints_the_version(capsys):
     assert main(["--version"]) == 0
     assert capsys.readouterr().out == "vsock-proxy %s\n" % vsock_proxy.__version__
+
+
+def test_ssh_config_escapes_percent_in_the_installation_path(monkeypatch, capsys):
+    """ssh expands %-tokens in ProxyCommand: a literal % must be written %%."""
+    monkeypatch.setattr("sys.argv", ["/opt/100%/bin/vsock-proxy"])
+    assert main(["--ssh-config"]) == 0
+    assert "ProxyCommand /opt/100%%/bin/vsock-proxy --fdpass %n %p" in capsys.readouterr().out
