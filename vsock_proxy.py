@@ -8,13 +8,18 @@ The data flows through this file top to bottom: parse the target, connect
 (one function per address kind), hand over or relay, report errors.
 
 Standard library only.  Start-up cost matters (ssh waits for the proxy on
-every login), so only os, socket and sys are imported up front; everything
-else is imported where it is needed.
+every login), so the top imports only what `import socket` loads anyway
+(errno, os, select, stat, sys); everything else is imported where needed.
 """
 
+import errno
 import os
+import select
 import socket
+import stat
 import sys
+
+from select import POLLERR, POLLHUP, POLLIN, POLLOUT
 
 __version__ = "0.1.0"
 
@@ -137,7 +142,6 @@ def printable(text):
 
 
 def errno_name(exc):
-    import errno
     return errno.errorcode.get(exc.errno, "errno %s" % exc.errno)
 
 
@@ -332,7 +336,6 @@ def set_vsock_connect_timeout(sock, seconds):
 
 
 def vsock_connect_error(target, exc, timeout):
-    import errno
     cid, port = target.address, target.port
     code = errno.ETIMEDOUT if isinstance(exc, socket.timeout) else exc.errno
     reason = describe_os_error(exc) if code != errno.ETIMEDOUT else \
@@ -375,7 +378,6 @@ def connect_unix(target, timeout):
 
 
 def unix_connect_error(target, exc, timeout):
-    import errno
     path = printable(target.address)
     if exc.errno == errno.ENOENT:
         return ConnectError("%s: no such socket file: %s (ENOENT)%s"
@@ -401,7 +403,6 @@ def unix_connect_error(target, exc, timeout):
 
 
 def is_socket_file(path):
-    import stat
     try:
         return stat.S_ISSOCK(os.stat(path).st_mode)
     except OSError:
@@ -639,7 +640,6 @@ def connect(target, port=DEFAULT_PORT, *, timeout=DEFAULT_TIMEOUT, wait=0.0,
 # ---------------------------------------------------------------------------
 
 def stdout_is_unix_socket():
-    import stat
     try:
         if not stat.S_ISSOCK(os.fstat(1).st_mode):
             return False
@@ -674,11 +674,11 @@ SPLICE_CHUNK = 1 << 20
 COPY_CHUNK = 256 * 1024
 PIPE_SIZE = 1 << 20
 SOCKET_SEND_BUFFER = 1 << 20
+ENDED = POLLHUP | POLLERR
 
 
 def relay(sock, target, log):
     """Relay until done; returns the exit status."""
-    import stat
 
     def is_pipe(fd):
         try:
@@ -723,51 +723,45 @@ def relay_splice(sock):
     full (or empty): wait for that end instead.  O_NONBLOCK is never set on
     stdin/stdout, because the flag is shared with the process that gave them.
     """
-    import select
-    IN, ENDED = select.POLLIN, select.POLLHUP | select.POLLERR
     sock.setblocking(False)
     grow_pipe(0)
     grow_pipe(1)
     sock_fd = sock.fileno()
     # Each direction waits on one (fd, event) at a time.
-    up = (0, IN)            # stdin -> socket; None once stdin has ended
-    down = (sock_fd, IN)    # socket -> stdout; None once the socket has ended
-    poller = select.poll()
-    while True:
+    up = (0, POLLIN)            # stdin -> socket; None once stdin has ended
+    down = (sock_fd, POLLIN)    # socket -> stdout; None once the socket has ended
+    end_up = lambda: sock.shutdown(socket.SHUT_WR)      # noqa: E731
+    end_down = lambda: os.close(1)                      # noqa: E731
+    poller, registered = select.poll(), {}
+    while up or down:
         wanted = {}
-        for waiting in (up, down):
-            if waiting:
-                wanted[waiting[0]] = wanted.get(waiting[0], 0) | waiting[1]
+        for fd, event in filter(None, (up, down)):
+            wanted[fd] = wanted.get(fd, 0) | event
         if down is None:
-            if up is None:
-                return
             wanted.setdefault(sock_fd, 0)    # POLLHUP: the peer closed entirely
-        for fd in (0, 1, sock_fd):
-            if fd in wanted:
-                poller.register(fd, wanted[fd])
-            else:
-                try:
-                    poller.unregister(fd)
-                except KeyError:
-                    pass
+        if wanted != registered:             # most rounds wait as the last did
+            for fd in registered.keys() - wanted.keys():
+                poller.unregister(fd)
+            for fd, events in wanted.items():
+                poller.register(fd, events)
+            registered = wanted
         ready = dict(poller.poll())
         if down is None and ready.get(sock_fd, 0) & ENDED:
             return
         if up and ready.get(up[0], 0) & (up[1] | ENDED):
-            up = splice_step(0, sock_fd, up, on_eof=lambda: sock.shutdown(socket.SHUT_WR))
+            up = splice_step(0, sock_fd, up, end_up)
         if down and ready.get(down[0], 0) & (down[1] | ENDED):
-            down = splice_step(sock_fd, 1, down, on_eof=lambda: os.close(1))
+            down = splice_step(sock_fd, 1, down, end_down)
 
 
 def splice_step(src, dst, waiting, on_eof):
     """One splice from src to dst; returns what the direction waits on next,
     or None when it has ended."""
-    import select
     try:
         moved = os.splice(src, dst, SPLICE_CHUNK, flags=os.SPLICE_F_NONBLOCK)
     except BlockingIOError:
         # We came because one end was ready; the other one is not.
-        return (dst, select.POLLOUT) if waiting[0] == src else (src, select.POLLIN)
+        return (dst, POLLOUT) if waiting[0] == src else (src, POLLIN)
     except BrokenPipeError:
         if dst == 1:
             raise
@@ -775,7 +769,7 @@ def splice_step(src, dst, waiting, on_eof):
     if moved == 0:
         on_eof()
         return None
-    return (src, select.POLLIN)
+    return (src, POLLIN)
 
 
 def relay_copy(sock):
@@ -814,7 +808,6 @@ def copy_stdin_to_socket(sock):
 def wait_for_hangup(sock):
     """After the socket's EOF, wait until the peer has closed entirely (or our
     upload has finished and shut down its side), which poll shows as POLLHUP."""
-    import select
     poller = select.poll()
     poller.register(sock.fileno(), 0)
     poller.poll()
