@@ -451,8 +451,13 @@ def connect_vsock_mux(target, timeout):
     sock = connect_unix(target, timeout)
     try:
         sock.settimeout(max(deadline - time.monotonic(), 0.001))
-        # One write: vhost-device-vsock drops a CONNECT line split in two.
-        sock.sendall(b"CONNECT %d\n" % target.port)
+        try:
+            # One write: vhost-device-vsock drops a CONNECT line split in two.
+            sock.sendall(b"CONNECT %d\n" % target.port)
+        except OSError as exc:
+            raise ConnectError("%s: the VMM hung up before it took CONNECT %d: "
+                               "%s" % (target, target.port, describe_os_error(exc)),
+                               transient=True)
         read_mux_reply(sock, target, timeout, deadline)
         sock.settimeout(None)
         return sock
@@ -492,6 +497,9 @@ def read_mux_reply(sock, target, timeout, deadline):
             raise ConnectError("%s: the VMM reset the connection after CONNECT "
                                "%d: nothing listening on that port in the "
                                "guest?" % (target, target.port), transient=True)
+        except OSError as exc:
+            raise ConnectError("%s: reading the VMM's reply: %s"
+                               % (target, describe_os_error(exc)))
         if not peeked:
             got = " after '%s'" % printable(line) if line else ""
             raise ConnectError(

@@ -17,6 +17,7 @@ Only the standard library and pytest are used. Nothing here opens an AF_VSOCK
 connection: that must never happen on the development host (NOTES.md section 6).
 """
 
+import hashlib
 import itertools
 import os
 import pwd
@@ -431,6 +432,23 @@ def proxy_process(args, stdio="pipe", **popen_kw):
 
 # Servers made by serve_unix(), stopped after each test by _stop_unix_servers.
 _unix_servers = []
+def echo(conn):
+    """A peer that sends back whatever it gets, until EOF."""
+    while True:
+        data = conn.recv(1 << 20)
+        if not data:
+            return
+        conn.sendall(data)
+
+
+def sha256_until_eof(conn):
+    """Read conn to EOF; the hex SHA-256 of all it carried."""
+    hasher = hashlib.sha256()
+    for data in iter(lambda: conn.recv(1 << 20), b""):
+        hasher.update(data)
+    return hasher.hexdigest()
+
+
 _unix_server_numbers = itertools.count()
 
 
@@ -740,11 +758,7 @@ CONNECT_RE = re.compile(rb"CONNECT ([0-9]{1,10})\n")
 def banner_echo_backend(conn, reply):
     """Default guest: reply + banner in ONE send, echo until EOF, then close."""
     conn.sendall(reply + FAKE_BANNER)
-    while True:
-        data = conn.recv(65536)
-        if not data:
-            return
-        conn.sendall(data)
+    echo(conn)
 
 
 def _hold_open(conn):

@@ -15,7 +15,8 @@ import time
 import pytest
 
 from conftest import (ESCAPE_REPLY, FAKE_BANNER, GARBAGE_REPLY, OVERLONG_REPLY,
-                      PROXY_ARGV, ROOT, StdioProcess, run_cmd, serve_unix, unix_listener)
+                      PROXY_ARGV, ROOT, StdioProcess, echo, run_cmd, serve_unix,
+                      unix_listener)
 
 needs_socat = pytest.mark.skipif(shutil.which("socat") is None, reason="socat not installed")
 BOTH_STDIO = pytest.mark.parametrize("stdio", ["pipe", "socket"])
@@ -78,14 +79,6 @@ def test_vsock_proxy_on_path_finds_an_executable_first(vsock_proxy_on_path):
 def test_checkout_comes_before_installed_packages_on_sys_path():
     site = [i for i, p in enumerate(sys.path) if p.endswith("-packages")]
     assert sys.path.index(str(ROOT)) < min(site, default=len(sys.path))
-
-
-def echo(conn):
-    while True:
-        data = conn.recv(65536)
-        if not data:
-            return
-        conn.sendall(data)
 
 
 def test_serve_unix_serves_each_connection(tmp_path):

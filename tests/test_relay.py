@@ -17,7 +17,7 @@ import threading
 
 import pytest
 
-from conftest import PROXY_ARGV, proxy_process, run_proxy, serve_unix
+from conftest import PROXY_ARGV, echo, proxy_process, run_proxy, serve_unix, sha256_until_eof
 
 BOTH_PATHS = pytest.mark.parametrize("stdio", ["pipe", "socket"])
 
@@ -28,14 +28,6 @@ def expect_path(proxy, stdio):
     splice = stdio == "pipe" and hasattr(os, "splice")      # Python 3.10+
     assert line == ("vsock-proxy: relaying with splice (zero-copy)" if splice
                     else "vsock-proxy: relaying with read/write")
-
-
-def echo(conn):
-    while True:
-        data = conn.recv(65536)
-        if not data:
-            return
-        conn.sendall(data)
 
 
 @BOTH_PATHS
@@ -61,13 +53,7 @@ def test_server_speaks_first(tmp_path, stdio):
 @BOTH_PATHS
 def test_stdin_eof_half_closes_and_the_reply_still_arrives(tmp_path, stdio):
     def digest_after_eof(conn):
-        hasher = hashlib.sha256()
-        while True:
-            data = conn.recv(65536)
-            if not data:
-                break
-            hasher.update(data)
-        conn.sendall(hasher.hexdigest().encode())
+        conn.sendall(sha256_until_eof(conn).encode())
     path = serve_unix(tmp_path, digest_after_eof)
     payload = os.urandom(3 << 20)
     with proxy_process(["unix" + path], stdio) as proxy:
@@ -85,13 +71,7 @@ def test_peer_that_half_closes_first_still_gets_all_of_stdin(tmp_path, stdio):
     def greet_then_listen(conn):
         conn.sendall(b"send me everything\n")
         conn.shutdown(socket.SHUT_WR)
-        hasher = hashlib.sha256()
-        while True:
-            data = conn.recv(65536)
-            if not data:
-                break
-            hasher.update(data)
-        received.append(hasher.hexdigest())
+        received.append(sha256_until_eof(conn))
     path = serve_unix(tmp_path, greet_then_listen)
     payload = os.urandom(2 << 20)
     with proxy_process(["unix" + path], stdio) as proxy:
@@ -109,14 +89,9 @@ def test_bulk_data_both_ways_matches_by_hash(tmp_path, stdio):
     def send_then_digest(conn):
         sender = threading.Thread(target=conn.sendall, args=(download,))
         sender.start()
-        hasher = hashlib.sha256()
-        while True:
-            data = conn.recv(1 << 20)
-            if not data:
-                break
-            hasher.update(data)
+        digest = sha256_until_eof(conn)
         sender.join()
-        conn.sendall(b"|" + hasher.hexdigest().encode())
+        conn.sendall(b"|" + digest.encode())
     path = serve_unix(tmp_path, send_then_digest)
     upload = os.urandom(16 << 20)
     with proxy_process(["unix" + path], stdio) as proxy:

@@ -17,7 +17,7 @@ import threading
 
 import pytest
 
-from conftest import ROOT, proxy_process, run_proxy
+from conftest import ROOT, AcceptLoop, echo, proxy_process, run_proxy
 
 LOCAL_CID = 1
 SSHD_PORT = 22022        # not 22: a real sshd may own vsock port 22 on this machine
@@ -60,28 +60,18 @@ def vsock_sshd(sshd):
     loop.stop()
 
 
+def echo_then_close(conn):
+    with conn:
+        echo(conn)
+
+
 @pytest.fixture(scope="module")
 def vsock_echo():
-    listener = vsock_listener(ECHO_PORT)
-
-    def serve():
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=echo, args=(conn,), daemon=True).start()
-
-    def echo(conn):
-        with conn:
-            while True:
-                data = conn.recv(1 << 20)
-                if not data:
-                    return
-                conn.sendall(data)
-    threading.Thread(target=serve, daemon=True).start()
+    """An echo server on vsock port ECHO_PORT, one thread per connection."""
+    loop = AcceptLoop(vsock_listener(ECHO_PORT), lambda conn: threading.Thread(
+        target=echo_then_close, args=(conn,), daemon=True).start())
     yield ECHO_PORT
-    listener.close()
+    loop.stop()
 
 
 @pytest.mark.skipif(not IN_LAB_VM, reason="unloads a kernel module: only in the throw-away lab VM")
