@@ -512,16 +512,14 @@ def read_mux_reply(sock, target, timeout, deadline):
                            "'%s'" % (target, target.port, printable(line)))
 
 
-def machined_sockets():
-    """systemd-machined's Varlink sockets, the user's instance first.
+MACHINED_SOCKET = "systemd/machine/io.systemd.Machine"
+
+
+def machined_runtime_dirs():
+    """Where systemd-machined's instances live, the user's first.
     VSOCK_PROXY_RUN_DIR stands in for /run (tests serve a fake machined)."""
-    sockets = []
-    if os.environ.get("XDG_RUNTIME_DIR"):
-        sockets.append(os.path.join(os.environ["XDG_RUNTIME_DIR"],
-                                    "systemd/machine/io.systemd.Machine"))
-    run_dir = os.environ.get("VSOCK_PROXY_RUN_DIR", "/run")
-    sockets.append(os.path.join(run_dir, "systemd/machine/io.systemd.Machine"))
-    return sockets
+    user = os.environ.get("XDG_RUNTIME_DIR")
+    return ([user] if user else []) + [os.environ.get("VSOCK_PROXY_RUN_DIR", "/run")]
 
 
 def ask_machined(path, target, timeout):
@@ -558,25 +556,30 @@ def ask_machined(path, target, timeout):
 
 
 def resolve_machine(target, timeout):
-    """machine/NAME -> the vsock/ or unix/ Target that reaches its sshd."""
-    name, asked = target.address, []
-    for path in machined_sockets():
+    """machine/NAME -> the vsock/ or unix/ Target that reaches its sshd,
+    asking the user's machined first, then the system's (as systemd does)."""
+    answered = False
+    for runtime_dir in machined_runtime_dirs():
         try:
-            machine = ask_machined(path, target, timeout)
+            machine = ask_machined(os.path.join(runtime_dir, MACHINED_SOCKET),
+                                   target, timeout)
         except OSError:
             continue                       # this instance is not running
-        asked.append(path)
+        answered = True
         if machine is not None:
-            return machine_address(target, machine)
-    if not asked:
+            return machine_address(target, machine, runtime_dir)
+    if not answered:
+        sockets = [os.path.join(d, MACHINED_SOCKET) for d in machined_runtime_dirs()]
         raise ConnectError("%s: systemd-machined is not running (no answer on %s)"
-                           % (target, " or ".join(map(printable, machined_sockets()))))
+                           % (target, " or ".join(map(printable, sockets))))
     raise ConnectError("%s: systemd-machined knows no machine %s (see "
-                       "'machinectl list')" % (target, printable(name)),
+                       "'machinectl list')" % (target, printable(target.address)),
                        transient=True)
 
 
-def machine_address(target, machine):
+def machine_address(target, machine, runtime_dir):
+    """A VM by its vsock CID, else by the sshAddress it registered; an nspawn
+    container by the socket systemd-ssh-generator exports for it."""
     cid = machine.get("vSockCid")
     if type(cid) is int and 0 <= cid < VMADDR_CID_ANY:     # not bool
         return Target("vsock", cid, target.port, "%s (vsock/%d)" % (target.text, cid))
@@ -589,6 +592,10 @@ def machine_address(target, machine):
         if resolved is not None and resolved.kind != "machine":
             resolved.text = "%s (%s)" % (target.text, address)
             return resolved
+    if machine.get("class") == "container" and machine.get("service") == "systemd-nspawn":
+        path = os.path.join(runtime_dir, "systemd/nspawn/unix-export",
+                            target.address, "ssh")
+        return Target("unix", path, None, "%s (unix%s)" % (target.text, path))
     raise ConnectError("%s: the machine has no vsock CID and no ssh address "
                        "vsock-proxy understands (class %s)"
                        % (target, printable(str(machine.get("class")))))

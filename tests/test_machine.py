@@ -10,7 +10,7 @@ import threading
 import pytest
 
 import vsock_proxy
-from conftest import FAKE_BANNER, run_proxy, unix_listener
+from conftest import FAKE_BANNER, run_proxy, serve_unix, unix_listener
 
 
 class FakeMachined:
@@ -18,6 +18,7 @@ class FakeMachined:
     knowing `machines`: name -> List reply parameters, or a Varlink error name."""
 
     def __init__(self, runtime_dir, machines):
+        self.runtime_dir = runtime_dir
         socket_dir = runtime_dir / "systemd" / "machine"
         socket_dir.mkdir(parents=True)
         self.machines, self.calls = machines, []
@@ -95,6 +96,16 @@ def test_vsock_cid_comes_first(machined, monkeypatch):
     target = vsock_proxy.resolve_machine(vsock_proxy.parse_target("machine/fedora"), 2)
     assert target == vsock_proxy.Target("vsock", 42, 22, "")
     assert str(target) == "machine/fedora (vsock/42)"
+
+
+def test_nspawn_container_is_reached_on_its_exported_socket(machined, tmp_path):
+    instance = machined("system", {"box": {"name": "box", "class": "container",
+                                           "service": "systemd-nspawn"}})
+    export = instance.runtime_dir / "systemd" / "nspawn" / "unix-export" / "box"
+    export.mkdir(parents=True)
+    serve_unix(export, lambda conn: conn.sendall(b"SSH-2.0-Container\r\n"), name="ssh")
+    result = run_proxy("machine/box", input=b"")
+    assert (result.returncode, result.stdout) == (0, b"SSH-2.0-Container\r\n"), result.stderr
 
 
 def test_user_instance_is_asked_before_the_system_one(machined, muxer):

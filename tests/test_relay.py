@@ -215,3 +215,39 @@ def test_closed_stdout_does_not_send_the_peers_bytes_back(tmp_path):
 def test_closed_stderr_keeps_messages_out_of_stdout(tmp_path):
     result = run_proxy("unix%s/none.sock" % tmp_path, stderr=None, preexec_fn=closing(2))
     assert (result.returncode, result.stdout) == (1, b"")
+
+
+@BOTH_PATHS
+def test_64_mib_echoed_while_still_sending_neither_side_deadlocks(tmp_path, stdio):
+    """The peer echoes as it reads, so both directions are full at once: a
+    relay that stops reading one side while it waits to write the other
+    would deadlock here."""
+    path = serve_unix(tmp_path, echo)
+    payload = os.urandom(64 << 20)
+    with proxy_process(["unix" + path], stdio) as proxy:
+        writer = threading.Thread(target=lambda: (proxy.write(payload), proxy.close_stdin()))
+        writer.start()
+        echoed = proxy.read_to_eof(timeout=60)
+        writer.join()
+        assert proxy.wait() == 0
+    assert hashlib.sha256(echoed).digest() == hashlib.sha256(payload).digest()
+
+
+def test_64_connections_in_parallel_each_get_their_own_bytes(tmp_path):
+    path = serve_unix(tmp_path, echo)
+    payloads = [os.urandom(256 << 10) for _ in range(64)]
+    proxies = [subprocess.Popen(PROXY_ARGV + ["unix" + path], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+               for _ in payloads]
+    results = [None] * len(proxies)
+
+    def converse(i):
+        results[i] = proxies[i].communicate(payloads[i], timeout=60)
+    threads = [threading.Thread(target=converse, args=(i,)) for i in range(len(proxies))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [p.returncode for p in proxies] == [0] * 64
+    assert [r[1] for r in results] == [b""] * 64
+    assert [r[0] == payload for r, payload in zip(results, payloads)] == [True] * 64
