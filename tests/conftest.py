@@ -29,6 +29,7 @@ import socket
 import struct
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import threading
 import time
@@ -262,11 +263,14 @@ def run_proxy_fixture():
 def vsock_proxy_bin_dir(tmp_path_factory):
     """A directory holding an executable ``vsock-proxy``.
 
-    The console script if it is installed next to this interpreter, else a
-    shell wrapper that runs the checkout's vsock_proxy.py.
+    The console script if it is installed next to this interpreter and runs
+    the checkout's code (a copy installed before the last edit would test
+    old code), else a shell wrapper that runs the checkout's vsock_proxy.py.
     """
     installed = Path(sys.executable).parent / "vsock-proxy"
-    if installed.exists():
+    installed_module = Path(sysconfig.get_paths()["purelib"]) / "vsock_proxy.py"
+    if (installed.exists() and installed_module.exists()
+            and installed_module.read_bytes() == PROXY_SCRIPT.read_bytes()):
         return installed.parent
     bindir = tmp_path_factory.mktemp("bin")
     wrapper = bindir / "vsock-proxy"
