@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 
 import pytest
 
@@ -44,6 +45,14 @@ def test_bytes_go_both_ways(tmp_path, stdio):
 
 
 @BOTH_PATHS
+def test_peer_closing_ends_the_relay_while_stdin_stays_open(tmp_path, stdio):
+    path = serve_unix(tmp_path, lambda conn: conn.sendall(b"bye\n"))
+    with proxy_process(["unix" + path], stdio) as proxy:
+        assert proxy.read_to_eof() == b"bye\n"
+        assert proxy.wait() == 0
+
+
+@BOTH_PATHS
 def test_server_speaks_first(tmp_path, stdio):
     path = serve_unix(tmp_path, lambda conn: (conn.sendall(b"SSH-2.0-Banner\r\n"), echo(conn)))
     with proxy_process(["unix" + path], stdio) as proxy:
@@ -66,12 +75,13 @@ def test_stdin_eof_half_closes_and_the_reply_still_arrives(tmp_path, stdio):
 
 @BOTH_PATHS
 def test_peer_that_half_closes_first_still_gets_all_of_stdin(tmp_path, stdio):
-    received = []
+    received, done = [], threading.Event()
 
     def greet_then_listen(conn):
         conn.sendall(b"send me everything\n")
         conn.shutdown(socket.SHUT_WR)
         received.append(sha256_until_eof(conn))
+        done.set()
     path = serve_unix(tmp_path, greet_then_listen)
     payload = os.urandom(2 << 20)
     with proxy_process(["unix" + path], stdio) as proxy:
@@ -79,6 +89,7 @@ def test_peer_that_half_closes_first_still_gets_all_of_stdin(tmp_path, stdio):
         proxy.write(payload)
         proxy.close_stdin()
         assert proxy.wait() == 0
+    assert done.wait(10)       # the peer may still be hashing when the proxy exits
     assert received == [hashlib.sha256(payload).hexdigest()]
 
 
@@ -165,23 +176,39 @@ def test_hangup_and_terminate_end_the_proxy_quietly(tmp_path, stdio, signum):
 
 @BOTH_PATHS
 def test_slow_reader_keeps_the_proxy_memory_bounded(tmp_path, stdio):
-    """Backpressure: a fast sender and a reader that stalls must not make the
-    proxy buffer what the reader has not taken."""
+    """Backpressure: a fast sender and a reader that stalls.  The sender must
+    soon be blocked with little in flight, and the proxy must not have
+    buffered what the reader has not taken."""
+    sent_mib = []
+
     def flood(conn):
         chunk = os.urandom(1 << 20)
-        try:
-            for _ in range(256):
-                conn.sendall(chunk)
-        except OSError:
-            pass
+        for _ in range(256):
+            conn.sendall(chunk)
+            sent_mib.append(1)
     path = serve_unix(tmp_path, flood)
     with proxy_process(["unix" + path], stdio) as proxy:
         proxy.read_exactly(1 << 20)
-        threading.Event().wait(1.0)        # the reader stalls; the sender does not
+        in_flight = wait_until_steady(lambda: len(sent_mib))   # the reader stalls
         peak_kib = proxy.peak_memory_kib()
         total = (1 << 20) + len(proxy.read_to_eof(timeout=60))
     assert total == 256 << 20
+    assert in_flight < 16, "the sender got %d MiB out while the reader stalled" % in_flight
     assert peak_kib < 64 * 1024, "proxy grew to %d KiB while the reader stalled" % peak_kib
+
+
+def wait_until_steady(count, settle=0.5, limit=20):
+    """Poll count() until it has not changed for `settle` seconds; its value."""
+    deadline = time.monotonic() + limit
+    last, since = count(), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = count()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= settle:
+            return now
+    raise AssertionError("count still moving after %ss: %d" % (limit, last))
 
 
 def closing(fd):

@@ -22,6 +22,7 @@ from conftest import ROOT, AcceptLoop, echo, proxy_process, run_proxy
 LOCAL_CID = 1
 SSHD_PORT = 22022        # not 22: a real sshd may own vsock port 22 on this machine
 ECHO_PORT = 22023
+BYE_PORT = 22024
 UNUSED_PORT = 22099
 IN_LAB_VM = "vsocklab=1" in open("/proc/cmdline").read()
 
@@ -139,6 +140,20 @@ def test_relay_over_vsock_both_paths(vsock_echo, stdio):
         writer.join()
         assert proxy.wait() == 0
     assert echoed == payload
+
+
+@pytest.mark.parametrize("stdio", ["pipe", "socket"])
+def test_peer_closing_ends_the_relay_while_stdin_stays_open(stdio):
+    """vsock reports POLLHUP only once both sides have shut down: the relay
+    must notice a peer's full close by itself."""
+    loop = AcceptLoop(vsock_listener(BYE_PORT), lambda conn: (conn.sendall(b"bye\n"),
+                                                              conn.close()))
+    try:
+        with proxy_process(["vsock/1", str(BYE_PORT)], stdio) as proxy:
+            assert proxy.read_to_eof() == b"bye\n"
+            assert proxy.wait() == 0
+    finally:
+        loop.stop()
 
 
 def test_fdpass_hands_over_a_vsock_socket(vsock_echo):
