@@ -58,7 +58,7 @@ options:
   --wait SECONDS     keep retrying while the VM is still booting (no socket
                      yet, nothing listening, no answer) for up to SECONDS
   --check            connect, then close and exit 0 if the guest port
-                     answered, 1 if not; prints nothing unless -v
+                     answered, 1 (and the reason) if not; quiet on success
   -v, --verbose      say on stderr what is connected to, and how
   --ssh-config       print an ssh_config snippet that runs this installation
   --version          print the version
@@ -180,6 +180,9 @@ class Target:
             (self.kind, self.address, self.port) ==
             (other.kind, other.address, other.port))
 
+    def __hash__(self):
+        return hash((self.kind, self.address, self.port))
+
     def __repr__(self):
         return "Target(%r, %r, %r)" % (self.kind, self.address, self.port)
 
@@ -199,7 +202,8 @@ class Target:
 
 def parse_vsock_number(text, what):
     """A CID or port: decimal, 32 bits, and not 4294967295, which vsock
-    reserves for "any" (VMADDR_CID_ANY, VMADDR_PORT_ANY): never a destination."""
+    reserves for "any" (VMADDR_CID_ANY, VMADDR_PORT_ANY): never a destination.
+    `what` names it in messages ("PORT", "vsock/x: CID")."""
     if not (text.isascii() and text.isdigit()):
         raise UsageError("%s '%s' is not a decimal number" % (what, printable(text)))
     digits = text.lstrip("0") or "0"
@@ -229,7 +233,7 @@ def parse_cid(text, target):
             "%s: %r after the CID is not part of an address; scp and sftp read "
             "a '/' before ':' as a local path: write vsock%%%s:%s"
             % (printable(target), ":" + rest, cid, rest))
-    return parse_vsock_number(text, "CID")
+    return parse_vsock_number(text, "%s: CID" % printable(target))
 
 
 def parse_socket_path(text, target):
@@ -561,14 +565,21 @@ def ask_machined(path, target, timeout):
     return parameters
 
 
-def resolve_machine(target, timeout):
+def resolve_machine(target, deadline):
     """machine/NAME -> the vsock/ or unix/ Target that reaches its sshd,
     asking the user's machined first, then the system's (as systemd does)."""
+    import time
     answered = False
     for runtime_dir in machined_runtime_dirs():
+        path = os.path.join(runtime_dir, MACHINED_SOCKET)
+        timeout = deadline - time.monotonic()
         try:
-            machine = ask_machined(os.path.join(runtime_dir, MACHINED_SOCKET),
-                                   target, timeout)
+            if timeout <= 0:
+                raise socket.timeout()
+            machine = ask_machined(path, target, timeout)
+        except socket.timeout:
+            raise ConnectError("%s: systemd-machined at %s did not answer in time"
+                               % (target, printable(path)), transient=True)
         except OSError:
             continue                       # this instance is not running
         answered = True
@@ -615,8 +626,12 @@ CONNECTORS = {
 
 
 def connect_once(target, timeout, log):
+    """One attempt; timeout covers all of it, a machined lookup included."""
+    import time
     if target.kind == "machine":
-        target = resolve_machine(target, timeout)
+        deadline = time.monotonic() + timeout
+        target = resolve_machine(target, deadline)
+        timeout = max(deadline - time.monotonic(), 0.001)
     log("connecting to %s" % target.describe())
     return CONNECTORS[target.kind](target, timeout)
 
@@ -941,6 +956,28 @@ def this_command():
     return command.replace("%", "%%")      # ssh expands %-tokens in it
 
 
+def occupy_closed_stdio():
+    """If fd 0, 1 or 2 was closed when we were started, the next socket would
+    take its number: stdin would read our own socket, stdout would send the
+    peer's bytes back to it.  /dev/null stands in for the missing ones."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)     # the lowest free number: fd
+
+
+def report(message):
+    """One line on stderr, and only there: never into ssh's stream on stdout
+    (with fd 2 closed at start, Python's sys.stderr is None)."""
+    try:
+        if sys.stderr:
+            sys.stderr.write("vsock-proxy: %s\n" % message)
+            sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
 def main(argv=None):
     """Run the command; returns the exit status."""
     options = None
@@ -978,28 +1015,6 @@ def main(argv=None):
         report("internal error: %s: %s (run with -v for the traceback, and "
                "please report it)" % (type(exc).__name__, exc))
         return 1
-
-
-def occupy_closed_stdio():
-    """If fd 0, 1 or 2 was closed when we were started, the next socket would
-    take its number: stdin would read our own socket, stdout would send the
-    peer's bytes back to it.  /dev/null stands in for the missing ones."""
-    for fd in (0, 1, 2):
-        try:
-            os.fstat(fd)
-        except OSError:
-            os.open(os.devnull, os.O_RDWR)     # the lowest free number: fd
-
-
-def report(message):
-    """One line on stderr, and only there: never into ssh's stream on stdout
-    (with fd 2 closed at start, Python's sys.stderr is None)."""
-    try:
-        if sys.stderr:
-            sys.stderr.write("vsock-proxy: %s\n" % message)
-            sys.stderr.flush()
-    except (OSError, ValueError):
-        pass
 
 
 def run():

@@ -6,6 +6,7 @@ io.systemd.Machine.List with {"name": NAME}, io.systemd.Machine.NoSuchMachine.""
 import json
 import os
 import threading
+import time
 
 import pytest
 
@@ -93,7 +94,8 @@ def test_machine_with_a_unix_ssh_address(machined, muxer):
 def test_vsock_cid_comes_first(machined, monkeypatch):
     """A VM with a CID is reached over AF_VSOCK (checked without connecting)."""
     machined("system", {"fedora": vm(vSockCid=42, sshAddress="unix/nowhere")})
-    target = vsock_proxy.resolve_machine(vsock_proxy.parse_target("machine/fedora"), 2)
+    deadline = time.monotonic() + 5
+    target = vsock_proxy.resolve_machine(vsock_proxy.parse_target("machine/fedora"), deadline)
     assert target == vsock_proxy.Target("vsock", 42, 22, "")
     assert str(target) == "machine/fedora (vsock/42)"
 
@@ -173,3 +175,19 @@ def test_a_boolean_is_no_cid(machined):
     result = run_proxy("machine/fedora")
     assert result.returncode == 1
     assert b"the machine has no vsock CID" in result.stderr
+
+
+def test_a_machined_that_never_answers_is_bounded_by_the_timeout(machined, tmp_path):
+    """It accepts and stays silent: one deadline covers the whole attempt."""
+    socket_dir = tmp_path / "silent" / "systemd" / "machine"
+    socket_dir.mkdir(parents=True)
+    listener = unix_listener(socket_dir / "io.systemd.Machine")
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp_path / "silent"))
+    started = time.monotonic()
+    result = run_proxy("--timeout", "1", "machine/fedora", env=env, timeout=20)
+    listener.close()
+    assert time.monotonic() - started < 10             # a bound, not a measurement
+    assert result.returncode == 1
+    assert result.stderr.decode() == (
+        "vsock-proxy: machine/fedora: systemd-machined at %s/io.systemd.Machine did not "
+        "answer in time\n" % socket_dir)

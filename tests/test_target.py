@@ -63,7 +63,7 @@ USAGE_ERRORS = [
     (["3"], "unknown TARGET '3'"),
     (["VSOCK/3"], "unknown TARGET"),
     (["vsock/"], "no CID after the prefix"),
-    (["vsock/abc"], "CID 'abc' is not a decimal number"),
+    (["vsock/abc"], "vsock/abc: CID 'abc' is not a decimal number"),
     (["vsock/-1"], "CID '-1' is not a decimal number"),
     (["vsock/+3"], "CID '+3' is not a decimal number"),
     (["vsock/0x3"], "CID '0x3' is not a decimal number"),
