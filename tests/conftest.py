@@ -371,6 +371,16 @@ class StdioProcess:
                 return b"".join(chunks)
             chunks.append(chunk)
 
+    def exchange(self, data, timeout=60):
+        """Send data and EOF while reading everything that comes back: both
+        directions at once, as a full-duplex peer does.  Returns what came back."""
+        writer = threading.Thread(target=lambda: (self.write(data), self.close_stdin()))
+        writer.start()
+        try:
+            return self.read_to_eof(timeout=timeout)
+        finally:
+            writer.join(timeout)
+
     # -- stderr and exit ----------------------------------------------------
 
     def stderr_line(self, timeout=10):

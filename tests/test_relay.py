@@ -106,10 +106,7 @@ def test_bulk_data_both_ways_matches_by_hash(tmp_path, stdio):
     path = serve_unix(tmp_path, send_then_digest)
     upload = os.urandom(16 << 20)
     with proxy_process(["unix" + path], stdio) as proxy:
-        writer = threading.Thread(target=lambda: (proxy.write(upload), proxy.close_stdin()))
-        writer.start()
-        received = proxy.read_to_eof(timeout=60)
-        writer.join()
+        received = proxy.exchange(upload)
         assert proxy.wait() == 0
     assert received[:len(download)] == download
     assert received[len(download):] == b"|" + hashlib.sha256(upload).hexdigest().encode()
@@ -252,10 +249,7 @@ def test_64_mib_echoed_while_still_sending_neither_side_deadlocks(tmp_path, stdi
     path = serve_unix(tmp_path, echo)
     payload = os.urandom(64 << 20)
     with proxy_process(["unix" + path], stdio) as proxy:
-        writer = threading.Thread(target=lambda: (proxy.write(payload), proxy.close_stdin()))
-        writer.start()
-        echoed = proxy.read_to_eof(timeout=60)
-        writer.join()
+        echoed = proxy.exchange(payload)
         assert proxy.wait() == 0
     assert hashlib.sha256(echoed).digest() == hashlib.sha256(payload).digest()
 

@@ -134,10 +134,7 @@ def test_relay_over_vsock_both_paths(vsock_echo, stdio):
     """splice between a pipe and an AF_VSOCK socket, and the read/write path."""
     payload = os.urandom(4 << 20)
     with proxy_process(["vsock/1", str(vsock_echo)], stdio) as proxy:
-        writer = threading.Thread(target=lambda: (proxy.write(payload), proxy.close_stdin()))
-        writer.start()
-        echoed = proxy.read_to_eof(timeout=60)
-        writer.join()
+        echoed = proxy.exchange(payload)
         assert proxy.wait() == 0
     assert echoed == payload
 
