@@ -138,6 +138,10 @@ class ConnectError(Error):
         return self.args[0] + ("; " + self.hint if self.hint else "")
 
 
+def say_nothing(message):
+    """The log when -v is not given."""
+
+
 def printable(text):
     """Escape control characters, so that bytes from a peer (or a path)
     cannot send escape sequences to the user's terminal."""
@@ -650,7 +654,7 @@ def connect(target, port=DEFAULT_PORT, *, timeout=DEFAULT_TIMEOUT, wait=0.0,
     import time
     if not isinstance(target, Target):
         target = parse_target(target, port)
-    log = log or (lambda message: None)
+    log = log or say_nothing
     started = time.monotonic()
     give_up = started + wait
     backoff, attempt = 0.05, 0
@@ -738,7 +742,7 @@ ENDED = POLLHUP | POLLERR
 
 
 def relay(sock, target, log):
-    """Relay until done; returns the exit status."""
+    """Relay between stdin/stdout and sock until the conversation is over."""
 
     def is_pipe(fd):
         try:
@@ -760,7 +764,6 @@ def relay(sock, target, log):
         raise ConnectError("%s: connection reset by the peer (ECONNRESET)" % target)
     except BrokenPipeError:
         pass                   # stdout's reader (ssh) has gone: nothing to say
-    return 0
 
 
 def grow_pipe(fd):
@@ -1000,7 +1003,8 @@ def main(argv=None):
             if options.fdpass:
                 pass_fd(sock, options.target)
                 return 0
-            return relay(sock, options.target, log or (lambda message: None))
+            relay(sock, options.target, log or say_nothing)
+            return 0
     except Error as exc:
         report(str(exc))
         return exc.exit_status
