@@ -4,6 +4,8 @@ users configure it (ProxyCommand by hand, and the shipped snippet)."""
 
 import hashlib
 import os
+import pty
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -134,3 +136,39 @@ def test_sftp_host_with_a_path_is_a_clear_usage_error(sshd, vsock_proxy_on_path)
     assert (b"vsock-proxy: vsock/3:/tmp: ':/tmp' after the CID is not part of an address; "
             b"scp and sftp read a '/' before ':' as a local path: write vsock%3:/tmp\n"
             ) in result.stderr
+
+
+def test_interactive_session_answers_each_line(sshd, vsock_proxy_on_path, mode):
+    """A terminal session through the relay: typed lines come back at once,
+    one at a time (a relay that batched or stalled would hang here)."""
+    config = sshd.ssh_config("Host unix/*\n    %s\n" % MODES[mode])
+    pid, terminal = pty.fork()
+    if pid == 0:                     # the child: ssh on a terminal of its own
+        try:
+            os.execvpe("ssh", ["ssh", "-F", str(config), "-tt", "unix" + sshd.socket_path,
+                               "PS1='$ ' exec /bin/sh -i"], vsock_proxy_on_path)
+        finally:
+            os._exit(127)
+
+    def read_until(marker, timeout=20):
+        seen = b""
+        while marker not in seen:
+            ready, _, _ = select.select([terminal], [], [], timeout)
+            assert ready, "no %r within %ss; the terminal showed %r" % (marker, timeout, seen)
+            seen += os.read(terminal, 4096)
+        return seen
+    try:
+        read_until(b"$ ")
+        for i in range(5):
+            os.write(terminal, b"echo line-$((%d * 7))\n" % i)
+            read_until(b"line-%d" % (i * 7))
+        os.write(terminal, b"exit\n")
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        os.close(terminal)
+        try:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
