@@ -9,7 +9,8 @@ The data flows through this file top to bottom: parse the target, connect
 
 Standard library only.  Start-up cost matters (ssh waits for the proxy on
 every login), so the top imports only what `import socket` loads anyway
-(errno, os, select, stat, sys); everything else is imported where needed.
+(errno, os, select, stat, sys) and the built-in time; everything else is
+imported where it is needed.
 """
 
 import errno
@@ -18,6 +19,7 @@ import select
 import socket
 import stat
 import sys
+import time
 
 from select import POLLERR, POLLHUP, POLLIN, POLLOUT
 
@@ -46,7 +48,8 @@ need '%', because they read a '/' before ':' as a local path):
                      unless PATH starts with '/' or './'.  PORT is ignored.
   vsock-mux/PATH     a VMM's hybrid-vsock socket (Firecracker, Cloud
                      Hypervisor, vhost-device-vsock): sends "CONNECT PORT".
-  machine/NAME       a VM registered with systemd-machined (systemd-vmspawn).
+  machine/NAME       a VM or container registered with systemd-machined
+                     (systemd-vmspawn, systemd-nspawn).
   .host              this host's own sshd on unix/run/ssh-unix-local/socket.
 PORT                 the guest's vsock port (default 22).
 
@@ -459,7 +462,6 @@ MUX_REPLY_MAX = 32    # "OK 1073741824\n" is 14 bytes; room to show garbage
 def connect_vsock_mux(target, timeout):
     """Firecracker / Cloud Hypervisor / vhost-device-vsock hybrid vsock:
     send 'CONNECT <port>\\n', consume exactly the 'OK <n>\\n' reply."""
-    import time
     deadline = time.monotonic() + timeout
     sock = connect_unix(target, timeout)
     try:
@@ -484,7 +486,6 @@ def read_mux_reply(sock, target, timeout, deadline):
     (sshd's banner) follow at once, often in the same segment.  Peek, then
     receive exactly the peeked bytes up to and including the newline.  The
     deadline covers the whole line, however slowly it drips in."""
-    import time
     line = b""
     while not line.endswith(b"\n"):
         if len(line) >= MUX_REPLY_MAX:
@@ -572,7 +573,6 @@ def ask_machined(path, target, timeout):
 def resolve_machine(target, deadline):
     """machine/NAME -> the vsock/ or unix/ Target that reaches its sshd,
     asking the user's machined first, then the system's (as systemd does)."""
-    import time
     answered = False
     for runtime_dir in machined_runtime_dirs():
         path = os.path.join(runtime_dir, MACHINED_SOCKET)
@@ -631,7 +631,6 @@ CONNECTORS = {
 
 def connect_once(target, timeout, log):
     """One attempt; timeout covers all of it, a machined lookup included."""
-    import time
     if target.kind == "machine":
         deadline = time.monotonic() + timeout
         target = resolve_machine(target, deadline)
@@ -651,7 +650,6 @@ def connect(target, port=DEFAULT_PORT, *, timeout=DEFAULT_TIMEOUT, wait=0.0,
     `wait` seconds have passed.  Raises UsageError or ConnectError, whose
     message is the line the command prints.
     """
-    import time
     if not isinstance(target, Target):
         target = parse_target(target, port)
     log = log or say_nothing

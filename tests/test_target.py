@@ -114,7 +114,7 @@ def test_parse_target_raises_usage_error_for_the_api():
         parse_target("tcp/3")
 
 
-def test_options_may_come_after_the_target(capsys):
+def test_options_may_come_after_the_target():
     options = vsock_proxy.parse_command_line(["unix/x", "--timeout=2.5", "-v", "--wait", "7"])
     assert (options.timeout, options.verbose, options.wait) == (2.5, True, 7.0)
     assert options.target == Target("unix", "/x", None, "")
