@@ -700,14 +700,276 @@ def pass_fd(sock, target):
 
 
 # ---------------------------------------------------------------------------
-# Relaying: stdin -> socket and socket -> stdout
+# Relaying: stdin -> socket ("up") and socket -> stdout ("down")
 # ---------------------------------------------------------------------------
-# Two directions run until the socket's side ends:
-#   up:   stdin EOF -> shutdown(SHUT_WR), and keep delivering what comes back;
-#   down: socket EOF -> close stdout; done once the peer has closed entirely
-#         (or we have shut down too), so a peer that only half-closed still
-#         gets the rest of stdin.
+# The promise: exit 0 means every byte read from stdin was accepted by the
+# peer's socket and every byte the peer sent was written to stdout; otherwise
+# exit 1 with one line that says which.  And the relay always ends: once the
+# conversation is over from either side, it returns at once.
+#
+# Endings, as relay() applies them:
+#
+#   what happens                          what the relay does            exit
+#   ------------------------------------  -----------------------------  ----
+#   stdin ends (EOF; a terminal hangs up) shutdown(SHUT_WR) the socket;  -
+#                                         down goes on until the peer's
+#                                         EOF
+#   the peer's EOF                        end stdout (shutdown(SHUT_WR)  -
+#                                         first if it is a socket: it
+#                                         may be stdin too); up goes on
+#                                         while the peer only half-closed
+#   both directions have ended            return                         0
+#   the peer closed entirely, stdin open  return; bytes waiting on stdin 0 / 1
+#                                         could not be delivered: 1
+#   the peer closed with our bytes unread return (AF_UNIX says           1
+#     (ECONNRESET)                        ECONNRESET; vsock cannot tell
+#                                         this from a clean close)
+#   a send fails (EPIPE: the peer closed  stop reading stdin; down       1
+#     or stopped reading)                 delivers what the peer sent
+#   stdout's reader has gone, nothing     stop writing stdout; return    0 / 1
+#     waiting for it                      once stdin has ended too; a
+#                                         byte from the peer after that
+#                                         is lost: 1
+#   writing stdout fails with bytes in    return                         1
+#     hand (EPIPE, EIO, ENOSPC)
+#   silence, or a peer that never reads   wait: the conversation is not  -
+#                                         over while both sides hold it
+#
 # Every read is forwarded at once: no MSG_MORE, no timers, no batching.
+
+SPLICE_CHUNK = 1 << 20
+COPY_CHUNK = 256 * 1024
+# Measured with bench/: 64 KiB (the default) -> 256 KiB pipes lift upload
+# from 2.1 to 3.2 GB/s; 1 MiB gives 4.1.  Pipe pages count against the user's
+# pipe-user-pages-soft (16384 pages, 64 MiB), together with all the user's
+# other pipes: a relay's two 256 KiB pipes take 128 pages, so an account can
+# run up to 128 relays before we stop enlarging (124 measured, beside ssh's
+# and the session's own pipes); past the limit every new pipe of that user
+# gets only 8 KiB, so 1 MiB pipes (32 relays) would be too greedy.
+PIPE_SIZE = 256 * 1024
+SOCKET_SEND_BUFFER = 1 << 20
+ENDED = POLLHUP | POLLERR
+# vsock reports POLLHUP only once both sides have shut down: after the peer's
+# half-close, its full close wakes nobody, so we look every so often.
+PEER_CLOSE_PROBE_MS = 200
+
+
+class Pump:
+    """One direction of the relay, src -> dst.  `wait` is the (fd, poll
+    event) it needs before it can go on, None once it has ended.  It moves
+    bytes with os.splice when one end is a pipe (Linux, Python 3.10+: no
+    copy through Python), else with read and write and a buffer of what the
+    destination has not taken yet."""
+
+    def __init__(self, src, dst, splice):
+        self.src, self.dst = src, dst
+        self.wait = (src, POLLIN)
+        self.pending = b""
+        self.move = self.splice if splice else self.copy
+
+    def splice(self, ready_fd):
+        """One non-blocking splice; True at EOF.  A blocking one into the
+        stdout pipe would hold the pipe's lock while it waits for the socket,
+        stalling ssh's read of that pipe, so every splice is
+        SPLICE_F_NONBLOCK on a non-blocking socket, after poll said it can
+        go.  O_NONBLOCK is never set on stdin or stdout: the flag is shared
+        with the process that gave them to us."""
+        try:
+            moved = os.splice(self.src, self.dst, SPLICE_CHUNK,
+                              flags=os.SPLICE_F_NONBLOCK)
+        except BlockingIOError:
+            # We came because one end was ready; the other one is not.
+            self.wait = (self.dst, POLLOUT) if ready_fd == self.src else (self.src, POLLIN)
+            return False
+        self.wait = (self.src, POLLIN)
+        return moved == 0
+
+    def copy(self, ready_fd):
+        """Read if nothing is pending, then write at once; True at EOF.
+        BlockingIOError (a non-blocking stdin or stdout: asyncio parents hand
+        those over) means "not now": wait for that end, never "the end"."""
+        if not self.pending:
+            try:
+                self.pending = os.read(self.src, COPY_CHUNK)
+            except BlockingIOError:
+                return False
+            except OSError as exc:
+                if exc.errno != errno.EIO:      # EIO: the terminal hung up
+                    raise
+            if not self.pending:
+                return True
+        try:
+            written = os.write(self.dst, self.pending)
+        except BlockingIOError:
+            written = 0
+        self.pending = self.pending[written:]
+        self.wait = (self.dst, POLLOUT) if self.pending else (self.src, POLLIN)
+        return False
+
+
+def relay(sock, target, log):
+    """Relay between stdin/stdout and sock until the conversation is over, as
+    the table above says.  Raises Error when a byte could not be delivered."""
+    sock.setblocking(False)
+    if sock.family == socket.AF_UNIX:
+        # A larger send buffer halves the wake-ups per megabyte uploaded
+        # (measured: 1.9 -> 2.9 GB/s); the kernel caps it at wmem_max.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_SEND_BUFFER)
+    sock_fd = sock.fileno()
+    pipes = [fd for fd in (0, 1) if can_splice(fd)]
+    grow_pipes(pipes)
+    up = Pump(0, sock_fd, 0 in pipes)
+    down = Pump(sock_fd, 1, 1 in pipes)
+    log(relay_method(up, down))
+    up_lost = None           # why stdin could not all be delivered
+    stdout_gone = peer_closed = False
+    poller, registered, waits = select.poll(), {}, None
+    while True:
+        if up.wait is None and (down.wait is None or stdout_gone):
+            break
+        if down.wait is None and peer_closed:
+            if up_lost is None and stdin_has_more(up):
+                up_lost = "the peer closed the connection before it took all of stdin"
+            break
+        # While down runs, stdout is watched for its reader going away (poll
+        # says POLLERR or POLLHUP whatever we ask); once down has ended, the
+        # socket is, for the peer's full close (POLLHUP, on AF_UNIX).
+        watch = (1, 0) if down.wait and not stdout_gone else (sock_fd, 0)
+        if (up.wait, down.wait, watch) != waits:
+            waits = (up.wait, down.wait, watch)
+            registered = update_poll(poller, registered, waits)
+        probing = down.wait is None       # the peer half-closed: is it gone?
+        ready = poller.poll(PEER_CLOSE_PROBE_MS if probing else None)
+        for fd, events in ready:
+            if events & select.POLLNVAL:
+                raise Error("%s: cannot wait for descriptor %d with poll() on "
+                            "this system; pipe it through cat" % (target, fd))
+            if fd == 1 and events & ENDED and down.wait and not down.pending:
+                stdout_gone = True
+            if up.wait and fd == up.wait[0] and events & (up.wait[1] | ENDED):
+                try:
+                    ended = up.move(fd)
+                except OSError as exc:
+                    up_lost = upload_failure(exc, up)
+                    ended = True
+                if ended:
+                    up.wait = None
+                    stop_sending(sock)
+            if down.wait and fd == down.wait[0] and events & (down.wait[1] | ENDED):
+                try:
+                    ended = down.move(fd)
+                except OSError as exc:
+                    raise download_failure(exc, down, target)
+                if ended:
+                    down.wait = None
+                    end_stdout()
+                    probing = True
+        if probing and down.wait is None:
+            peer_closed = peer_has_closed(sock)
+    if up_lost is None:
+        up_lost = closed_with_bytes_unread(sock)
+    if up_lost:
+        raise Error("%s: %s" % (target, up_lost))
+    if stdout_gone and socket_has_more(sock):
+        raise Error("%s: stdout's reader went away before the peer's data "
+                    "was written" % target)
+
+
+def can_splice(fd):
+    try:
+        return hasattr(os, "splice") and stat.S_ISFIFO(os.fstat(fd).st_mode)
+    except OSError:
+        return False
+
+
+def relay_method(up, down):
+    """For -v: how each direction moves its bytes."""
+    if up.move == up.splice and down.move == down.splice:
+        return "relaying with splice (zero-copy)"
+    if up.move == up.copy and down.move == down.copy:
+        return "relaying with read/write"
+    return "relaying stdin with %s, stdout with %s" % (
+        "splice" if up.move == up.splice else "read/write",
+        "splice" if down.move == down.splice else "read/write")
+
+
+def update_poll(poller, registered, waits):
+    """Register the union of the waits; returns {fd: events} as registered.
+    Called only when a wait changes: most rounds of an interactive session
+    wait as the last one did (this took the keystroke round trip from 1.7x
+    socat's to 1.0x, bench/)."""
+    wanted = {}
+    for fd, event in filter(None, waits):
+        wanted[fd] = wanted.get(fd, 0) | event
+    for fd in registered.keys() - wanted.keys():
+        poller.unregister(fd)
+    for fd, events in wanted.items():
+        if registered.get(fd) != events:
+            poller.register(fd, events)
+    return wanted
+
+
+def grow_pipes(fds):
+    """Bigger pipes mean fewer wake-ups per megabyte; the system's limits may
+    refuse it, which only costs speed."""
+    import fcntl
+    for fd in fds:
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+        except OSError:
+            pass
+
+
+def upload_failure(exc, up):
+    """Why the rest of stdin cannot be delivered, from a failed up.move.
+    A splice never fails on its pipe's side; a copy that fails with nothing
+    pending failed reading."""
+    if up.move == up.copy and not up.pending:
+        return "reading stdin: %s" % describe_os_error(exc)
+    if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
+        return ("the peer closed the connection before it took all of stdin "
+                "(%s)" % errno_name(exc))
+    return "sending stdin to the peer: %s" % describe_os_error(exc)
+
+
+def download_failure(exc, down, target):
+    """The Error for a failed down.move: the socket's side or stdout's.  A
+    splice into the stdout pipe fails there only with EPIPE; a copy that
+    fails with nothing pending failed reading."""
+    if down.move == down.splice:
+        reading = exc.errno != errno.EPIPE
+    else:
+        reading = not down.pending
+    if reading and exc.errno == errno.ECONNRESET:
+        return Error("%s: connection reset by the peer (ECONNRESET)" % target)
+    if reading:
+        return Error("%s: receiving from the peer: %s" % (target, describe_os_error(exc)))
+    if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.EIO):
+        return Error("%s: stdout's reader went away before the peer's data "
+                     "was written (%s)" % (target, errno_name(exc)))
+    return Error("%s: writing the peer's data to stdout: %s"
+                 % (target, describe_os_error(exc)))
+
+
+def end_stdout():
+    """The peer's EOF, passed on.  When stdout is a socket (one socket may be
+    stdin and stdout both: inetd, systemd's Accept=yes, socat EXEC:),
+    closing fd 1 does not end the stream while fd 0 holds it: shut it down."""
+    try:
+        if stat.S_ISSOCK(os.fstat(1).st_mode):
+            with socket.socket(fileno=os.dup(1)) as out:
+                out.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass                   # its reader has gone already
+    os.close(1)
+
+
+def stop_sending(sock):
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass                   # the peer has gone already
+
 
 def peer_has_closed(sock):
     """After the socket's EOF: did the peer close entirely, or only shut down
@@ -721,163 +983,36 @@ def peer_has_closed(sock):
     return False
 
 
-def stop_sending(sock):
-    try:
-        sock.shutdown(socket.SHUT_WR)
-    except OSError:
-        pass                   # the peer has gone already
+def closed_with_bytes_unread(sock):
+    """AF_UNIX marks a peer that closed with our bytes still in its receive
+    queue with ECONNRESET (vsock has no such mark)."""
+    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == errno.ECONNRESET:
+        return "connection reset by the peer (ECONNRESET): it did not read all of stdin"
+    return None
 
 
-SPLICE_CHUNK = 1 << 20
-COPY_CHUNK = 256 * 1024
-# Measured with bench/: 64 KiB (the default) -> 256 KiB pipes lift upload
-# from 2.1 to 3.2 GB/s; 1 MiB gives 4.1, but every pipe page counts against
-# the user's pipe-user-pages-soft (64 MiB), and past it all of that user's
-# new pipes shrink to 8 KiB: 256 KiB allows 128 relays per user.
-PIPE_SIZE = 256 * 1024
-SOCKET_SEND_BUFFER = 1 << 20
-ENDED = POLLHUP | POLLERR
-
-
-def relay(sock, target, log):
-    """Relay between stdin/stdout and sock until the conversation is over."""
-
-    def is_pipe(fd):
-        try:
-            return stat.S_ISFIFO(os.fstat(fd).st_mode)
-        except OSError:
-            return False
-    if sock.family == socket.AF_UNIX:
-        # A larger send buffer halves the wake-ups per megabyte uploaded
-        # (measured: 1.9 -> 2.9 GB/s); the kernel caps it at wmem_max.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_SEND_BUFFER)
-    try:
-        if hasattr(os, "splice") and is_pipe(0) and is_pipe(1):
-            log("relaying with splice (zero-copy)")
-            relay_splice(sock)
-        else:
-            log("relaying with read/write")
-            relay_copy(sock)
-    except ConnectionResetError:
-        raise ConnectError("%s: connection reset by the peer (ECONNRESET)" % target)
-    except BrokenPipeError:
-        pass                   # stdout's reader (ssh) has gone: nothing to say
-
-
-def grow_pipe(fd):
-    """Bigger pipes mean fewer wake-ups per megabyte; the system's limits may
-    refuse it, which only costs speed."""
-    import fcntl
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
-    except OSError:
-        pass
-
-
-def relay_splice(sock):
-    """Linux fast path: both stdio fds are pipes, so os.splice moves data
-    between them and the socket inside the kernel.
-
-    Every splice is SPLICE_F_NONBLOCK on a non-blocking socket, after poll
-    said it can go: a blocking splice into the stdout pipe would hold the
-    pipe's lock while it waits for the socket, stalling ssh's read of that
-    pipe (an interactive session freezes).  EAGAIN means the other end is
-    full (or empty): wait for that end instead.  O_NONBLOCK is never set on
-    stdin/stdout, because the flag is shared with the process that gave them.
-    """
-    sock.setblocking(False)
-    grow_pipe(0)
-    grow_pipe(1)
-    sock_fd = sock.fileno()
-    # Each direction waits on one (fd, event) at a time.
-    up = (0, POLLIN)            # stdin -> socket; None once stdin has ended
-    down = (sock_fd, POLLIN)    # socket -> stdout; None once the socket has ended
-    poller, registered = select.poll(), {}
-    while up or down:
-        wanted = {}
-        for fd, event in filter(None, (up, down)):
-            wanted[fd] = wanted.get(fd, 0) | event
-        if down is None:
-            wanted.setdefault(sock_fd, 0)    # POLLHUP: the peer closed entirely
-        # Most rounds wait as the last one did; registering only changes took
-        # the keystroke round trip from 1.7x socat's to 1.0x (bench/).
-        if wanted != registered:
-            for fd in registered.keys() - wanted.keys():
-                poller.unregister(fd)
-            for fd, events in wanted.items():
-                poller.register(fd, events)
-            registered = wanted
-        ready = dict(poller.poll())
-        if down is None and ready.get(sock_fd, 0) & ENDED:
-            return
-        if up and ready.get(up[0], 0) & (up[1] | ENDED):
-            up = splice_step(0, sock_fd, up)
-            if up is None:
-                stop_sending(sock)
-        if down and ready.get(down[0], 0) & (down[1] | ENDED):
-            down = splice_step(sock_fd, 1, down)
-            if down is None:
-                os.close(1)
-                if peer_has_closed(sock):
-                    return
-
-
-def splice_step(src, dst, waiting):
-    """One splice from src to dst; returns what the direction waits on next,
-    or None when it has ended (EOF, or the peer stopped reading)."""
-    try:
-        moved = os.splice(src, dst, SPLICE_CHUNK, flags=os.SPLICE_F_NONBLOCK)
-    except BlockingIOError:
-        # We came because one end was ready; the other one is not.
-        return (dst, POLLOUT) if waiting[0] == src else (src, POLLIN)
-    except BrokenPipeError:
-        if dst == 1:
-            raise              # stdout's reader has gone: the relay is over
-        return None            # the peer stopped reading: let down finish
-    return (src, POLLIN) if moved else None
-
-
-def relay_copy(sock):
-    """Portable path (macOS, Python < 3.10, stdio that is not a pipe): one
-    thread per direction with blocking reads and writes, so neither side can
-    stall the other and each holds at most one buffer."""
-    import threading
-    upload = threading.Thread(target=copy_stdin_to_socket, args=(sock,), daemon=True)
-    upload.start()
-    while True:
-        data = sock.recv(COPY_CHUNK)
-        if not data:
-            break
-        view = memoryview(data)
-        try:
-            while view:
-                view = view[os.write(1, view):]
-        except (BrokenPipeError, ConnectionResetError):
-            return             # stdout's reader has gone (a socket may say reset)
-    os.close(1)
-    if not peer_has_closed(sock):
-        wait_for_hangup(sock)
-
-
-def copy_stdin_to_socket(sock):
-    try:
-        while True:
-            data = os.read(0, COPY_CHUNK)
-            if not data:
-                break
-            sock.sendall(data)
-    except OSError:
-        pass    # the peer stopped reading; the socket side reports what matters
-    finally:
-        stop_sending(sock)     # also wakes wait_for_hangup once the peer is done
-
-
-def wait_for_hangup(sock):
-    """After the socket's EOF, wait until the peer has closed entirely (or our
-    upload has finished and shut down its side), which poll shows as POLLHUP."""
+def stdin_has_more(up):
+    """The peer has gone while stdin is open: is anything waiting there that
+    can no longer be delivered?  (Reading it loses nothing more.)"""
+    if up.wait is None:
+        return False
+    if up.pending:
+        return True
     poller = select.poll()
-    poller.register(sock.fileno(), 0)
-    poller.poll()
+    poller.register(0, POLLIN)
+    if not poller.poll(0):
+        return False
+    try:
+        return bool(os.read(0, 1))
+    except OSError:
+        return False
+
+
+def socket_has_more(sock):
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK))
+    except OSError:
+        return False
 
 
 # ---------------------------------------------------------------------------

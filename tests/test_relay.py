@@ -142,7 +142,8 @@ def test_peer_reset_mid_stream_is_one_line_and_exit_1(tmp_path, stdio):
 
 
 @BOTH_PATHS
-def test_stdout_closed_ends_the_proxy_quietly(tmp_path, stdio):
+def test_stdout_closed_while_the_peer_sends_is_one_line_and_exit_1(tmp_path, stdio):
+    """The peer's bytes can no longer be delivered: exit 0 would be a lie."""
     def flood(conn):
         chunk = b"x" * 65536
         try:
@@ -154,8 +155,10 @@ def test_stdout_closed_ends_the_proxy_quietly(tmp_path, stdio):
     with proxy_process(["unix" + path], stdio) as proxy:
         proxy.read_exactly(65536)
         proxy.close_stdout()
-        assert proxy.wait() == 0
-        assert proxy.stderr() == b""
+        assert proxy.wait() == 1
+        assert proxy.stderr() == (
+            b"vsock-proxy: unix%s: stdout's reader went away before the peer's "
+            b"data was written (EPIPE)\n" % path.encode())
 
 
 @BOTH_PATHS
