@@ -752,6 +752,9 @@ ENDED = POLLHUP | POLLERR
 # vsock reports POLLHUP only once both sides have shut down: after the peer's
 # half-close, its full close wakes nobody, so we look every so often.
 PEER_CLOSE_PROBE_MS = 200
+# AF_UNIX resets a peer that closes with our bytes unread in its queue, after
+# we have read all it sent; vsock resets when the VM goes away.
+RESET = "connection reset by the peer (ECONNRESET): not all of stdin was read"
 
 
 class Pump:
@@ -941,7 +944,7 @@ def download_failure(exc, down, target):
     else:
         reading = not down.pending
     if reading and exc.errno == errno.ECONNRESET:
-        return Error("%s: connection reset by the peer (ECONNRESET)" % target)
+        return Error("%s: %s" % (target, RESET))
     if reading:
         return Error("%s: receiving from the peer: %s" % (target, describe_os_error(exc)))
     if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.EIO):
@@ -987,7 +990,7 @@ def closed_with_bytes_unread(sock):
     """AF_UNIX marks a peer that closed with our bytes still in its receive
     queue with ECONNRESET (vsock has no such mark)."""
     if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == errno.ECONNRESET:
-        return "connection reset by the peer (ECONNRESET): it did not read all of stdin"
+        return RESET
     return None
 
 

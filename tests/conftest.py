@@ -17,6 +17,7 @@ Only the standard library and pytest are used. Nothing here opens an AF_VSOCK
 connection: that must never happen on the development host (NOTES.md section 6).
 """
 
+import errno
 import hashlib
 import itertools
 import os
@@ -291,27 +292,51 @@ def vsock_proxy_on_path(vsock_proxy_bin_dir):
 class StdioProcess:
     """A child process driven through its stdin and stdout, with bounded waits.
 
-    stdio="pipe": stdin and stdout are two pipes, which is what ssh gives a
-    ProxyCommand (and what os.splice needs). stdio="socket": they are one
-    socketpair each (two separate sockets, so closing either end behaves like
-    closing a pipe). stderr is always a pipe. Every read takes a timeout and
-    raises AssertionError when it runs out, so a stall fails instead of hanging.
+    The shapes of stdio that callers give a ProxyCommand (NOTES.md section 7):
+    stdio="pipe": two pipes, which is what ssh gives (and what os.splice needs).
+    stdio="socket": one socketpair each (two separate sockets, so closing either
+    end behaves like closing a pipe). stdio="shared-socket": one socket that is
+    both stdin and stdout (ssh with ProxyUseFdpass, socat EXEC:, inetd, systemd
+    Accept=yes); our stdin EOF is shutdown(SHUT_WR), our reader going away
+    shutdown(SHUT_RD). stdio="pty": a terminal in raw mode as both (a person at
+    a shell); it has no EOF but hanging up, which ends both ways at once.
+    "nonblocking-pipe" and "nonblocking-shared-socket": the same with O_NONBLOCK
+    on the child's file descriptions, as asyncio parents hand them over.
+    stderr is always a pipe. Every read takes a timeout and raises
+    AssertionError when it runs out, so a stall fails instead of hanging.
     Use as a context manager: on exit our ends are closed and a child still
     running is killed.
     """
 
+    KINDS = ("pipe", "socket", "shared-socket", "pty",
+             "nonblocking-pipe", "nonblocking-shared-socket")
+
     def __init__(self, argv, stdio="pipe", **popen_kw):
-        if stdio == "pipe":
+        kind = stdio.replace("nonblocking-", "")
+        if kind == "pipe":
             child_in, self._stdin = os.pipe()
             self._stdout, child_out = os.pipe()
-        elif stdio == "socket":
-            # Raw descriptors, so both modes share the os.read/os.write code.
+        elif kind == "socket":
+            # Raw descriptors, so all kinds share the os.read/os.write code.
             a, b = socket.socketpair()
             child_in, self._stdin = a.detach(), b.detach()
             a, b = socket.socketpair()
             self._stdout, child_out = a.detach(), b.detach()
+        elif kind == "shared-socket":
+            a, b = socket.socketpair()
+            child_in = child_out = a.detach()
+            self._stdin = self._stdout = b.detach()
+        elif kind == "pty":
+            import pty
+            import tty
+            self._stdin, child_in = pty.openpty()
+            self._stdout, child_out = self._stdin, child_in
+            tty.setraw(child_in)
         else:
-            raise ValueError(f"stdio must be 'pipe' or 'socket', not {stdio!r}")
+            raise ValueError(f"stdio must be one of {self.KINDS}, not {stdio!r}")
+        if stdio.startswith("nonblocking-"):
+            for fd in {child_in, child_out}:
+                os.set_blocking(fd, False)
         self.stdio = stdio
         try:
             self.process = subprocess.Popen([str(a) for a in argv], stdin=child_in,
@@ -322,8 +347,8 @@ class StdioProcess:
             os.close(self._stdout)
             raise
         finally:
-            os.close(child_in)
-            os.close(child_out)
+            for fd in {child_in, child_out}:
+                os.close(fd)
         self._stderr_buf = b""
 
     def __enter__(self):
@@ -338,19 +363,41 @@ class StdioProcess:
         """Write all of data to the child's stdin (blocks while it is full)."""
         view = memoryview(data)
         while view:
+            if self._stdin is None:          # closed by another thread meanwhile
+                raise BrokenPipeError("stdin was closed while writing")
             view = view[os.write(self._stdin, view):]
 
     def close_stdin(self):
         """EOF on the child's stdin."""
-        if self._stdin is not None:
-            os.close(self._stdin)
-            self._stdin = None
+        self._close_end("_stdin", socket.SHUT_WR)
 
     def close_stdout(self):
         """Close our reading end: the child's next write fails (EPIPE)."""
-        if self._stdout is not None:
-            os.close(self._stdout)
-            self._stdout = None
+        self._close_end("_stdout", socket.SHUT_RD)
+
+    def hang_up(self):
+        """Both ends at once: the terminal closes, or the caller dies."""
+        if self.stdio == "pty" and self._stdin is not None:
+            os.close(self._stdin)
+            self._stdin = self._stdout = None
+        self.close_stdin()
+        self.close_stdout()
+
+    def _close_end(self, name, how):
+        """With one descriptor for both ends, shut down one way until the
+        other is closed too; a terminal only hangs up, both ways at once."""
+        fd = getattr(self, name)
+        if fd is None:
+            return
+        shared = self._stdin == self._stdout
+        if shared and self.stdio == "pty":
+            raise ValueError("a terminal has no EOF of its own: use hang_up()")
+        setattr(self, name, None)
+        if not shared:
+            os.close(fd)
+        else:
+            with socket.socket(fileno=os.dup(fd)) as end:
+                end.shutdown(how)
 
     def read_exactly(self, n, timeout=10):
         data = b""
@@ -422,8 +469,7 @@ class StdioProcess:
         raise AssertionError("no VmHWM: has the process exited already?")
 
     def close(self):
-        self.close_stdin()
-        self.close_stdout()
+        self.hang_up()
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
@@ -436,7 +482,12 @@ class StdioProcess:
         remaining = deadline - time.monotonic()
         if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
             raise AssertionError(f"timed out waiting for {what}")
-        return os.read(fd, n)
+        try:
+            return os.read(fd, n)
+        except OSError as exc:
+            if exc.errno == errno.EIO:      # a terminal whose other side closed
+                return b""
+            raise
 
 
 def proxy_process(args, stdio="pipe", **popen_kw):

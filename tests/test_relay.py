@@ -138,7 +138,8 @@ def test_peer_reset_mid_stream_is_one_line_and_exit_1(tmp_path, stdio):
         proxy.write(b"xyz" * 1000)
         assert proxy.wait() == 1
         assert proxy.stderr() == (
-            b"vsock-proxy: unix%s: connection reset by the peer (ECONNRESET)\n" % path.encode())
+            b"vsock-proxy: unix%s: connection reset by the peer (ECONNRESET): "
+            b"not all of stdin was read\n" % path.encode())
 
 
 @BOTH_PATHS

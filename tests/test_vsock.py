@@ -10,6 +10,7 @@ Only CID 1 is ever used.
 
 import errno
 import hashlib
+import itertools
 import os
 import socket
 import subprocess
@@ -17,13 +18,15 @@ import threading
 
 import pytest
 
-from conftest import ROOT, AcceptLoop, echo, proxy_process, run_proxy
+from conftest import ROOT, AcceptLoop, ThreadedServer, echo, proxy_process, run_proxy
+from endings import ENDINGS, run_case
 
 LOCAL_CID = 1
 SSHD_PORT = 22022        # not 22: a real sshd may own vsock port 22 on this machine
 ECHO_PORT = 22023
 BYE_PORT = 22024
 UNUSED_PORT = 22099
+MATRIX_PORTS = itertools.count(22100)
 IN_LAB_VM = "vsocklab=1" in open("/proc/cmdline").read()
 
 
@@ -187,3 +190,31 @@ def test_wait_gives_up_on_a_port_that_never_opens():
     assert result.stderr.decode().startswith(
         "vsock-proxy: vsock/local: nothing is listening on vsock port %d (ECONNRESET)" % UNUSED_PORT)
     assert "(gave up after 1s and " in result.stderr.decode()
+
+
+@pytest.fixture
+def serve_vsock():
+    """serve_vsock(handler) -> "vsock/1:PORT"-style target of a fresh server,
+    one thread per connection; stopped after the test."""
+    servers = []
+
+    def serve(handler):
+        port = next(MATRIX_PORTS)
+        servers.append(ThreadedServer(vsock_listener(port), lambda conn, _: handler(conn)))
+        return "vsock/1 %d" % port
+    yield serve
+    for server in servers:
+        server.stop()
+    assert not [e for server in servers for e in server.errors]
+
+
+# The stdio kinds do not meet the transport; the endings do.
+VSOCK_RELAY_CASES = [("splice", "pipe"), ("read/write", "pipe"), ("read/write", "shared-socket")]
+
+
+@pytest.mark.parametrize("path, stdio", VSOCK_RELAY_CASES)
+@pytest.mark.parametrize("ending", ENDINGS, ids=lambda ending: ending.name.replace(" ", "_"))
+def test_relay_over_vsock_ends_as_its_table_says(serve_vsock, request, path, stdio, ending):
+    if path == "splice" and not hasattr(os, "splice"):
+        pytest.skip("no os.splice in this Python")
+    run_case(path, stdio, ending, serve_vsock, seed=request.node.name)
