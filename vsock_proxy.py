@@ -796,9 +796,6 @@ class Pump:
                 self.pending = os.read(self.src, COPY_CHUNK)
             except BlockingIOError:
                 return False
-            except OSError as exc:
-                if exc.errno != errno.EIO:      # EIO: the terminal hung up
-                    raise
             if not self.pending:
                 return True
         try:
@@ -853,7 +850,8 @@ def relay(sock, target, log):
                 try:
                     ended = up.move(fd)
                 except OSError as exc:
-                    up_lost = upload_failure(exc, up)
+                    if not is_end_of_stream(exc, up):
+                        up_lost = upload_failure(exc, up)
                     ended = True
                 if ended:
                     up.wait = None
@@ -862,7 +860,9 @@ def relay(sock, target, log):
                 try:
                     ended = down.move(fd)
                 except OSError as exc:
-                    raise download_failure(exc, down, target)
+                    if not is_end_of_stream(exc, down):
+                        raise download_failure(exc, down, target)
+                    ended = True
                 if ended:
                     down.wait = None
                     end_stdout()
@@ -923,11 +923,25 @@ def grow_pipes(fds):
             pass
 
 
+def failed_reading(exc, pump):
+    """Did pump's last move fail on its source's side?  A splice fails on its
+    pipe's side only when writing into it with the reader gone (EPIPE); a
+    copy that fails with nothing pending failed reading."""
+    if pump.move == pump.splice:
+        return pump.src != 0 and exc.errno != errno.EPIPE
+    return not pump.pending
+
+
+def is_end_of_stream(exc, pump):
+    """Reading errors that only say the stream is over: EIO from a terminal
+    that hung up, and ENOTCONN from a vsock socket that we shut down after
+    its peer had closed (the kernel then forgets that the close was orderly)."""
+    return exc.errno in (errno.EIO, errno.ENOTCONN) and failed_reading(exc, pump)
+
+
 def upload_failure(exc, up):
-    """Why the rest of stdin cannot be delivered, from a failed up.move.
-    A splice never fails on its pipe's side; a copy that fails with nothing
-    pending failed reading."""
-    if up.move == up.copy and not up.pending:
+    """Why the rest of stdin cannot be delivered, from a failed up.move."""
+    if failed_reading(exc, up):
         return "reading stdin: %s" % describe_os_error(exc)
     if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
         return ("the peer closed the connection before it took all of stdin "
@@ -936,16 +950,10 @@ def upload_failure(exc, up):
 
 
 def download_failure(exc, down, target):
-    """The Error for a failed down.move: the socket's side or stdout's.  A
-    splice into the stdout pipe fails there only with EPIPE; a copy that
-    fails with nothing pending failed reading."""
-    if down.move == down.splice:
-        reading = exc.errno != errno.EPIPE
-    else:
-        reading = not down.pending
-    if reading and exc.errno == errno.ECONNRESET:
+    """The Error for a failed down.move: the socket's side or stdout's."""
+    if failed_reading(exc, down) and exc.errno == errno.ECONNRESET:
         return Error("%s: %s" % (target, RESET))
-    if reading:
+    if failed_reading(exc, down):
         return Error("%s: receiving from the peer: %s" % (target, describe_os_error(exc)))
     if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.EIO):
         return Error("%s: stdout's reader went away before the peer's data "
