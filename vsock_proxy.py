@@ -21,7 +21,7 @@ import stat
 import sys
 import time
 
-from select import POLLERR, POLLHUP, POLLIN, POLLOUT
+from select import POLLERR, POLLHUP, POLLIN, POLLNVAL, POLLOUT
 
 __version__ = "0.1.0"
 
@@ -766,7 +766,8 @@ class Pump:
 
     def __init__(self, src, dst, splice):
         self.src, self.dst = src, dst
-        self.wait = (src, POLLIN)
+        self.reading, self.writing = (src, POLLIN), (dst, POLLOUT)
+        self.wait = self.reading
         self.pending = b""
         self.move = self.splice if splice else self.copy
 
@@ -782,9 +783,9 @@ class Pump:
                               flags=os.SPLICE_F_NONBLOCK)
         except BlockingIOError:
             # We came because one end was ready; the other one is not.
-            self.wait = (self.dst, POLLOUT) if ready_fd == self.src else (self.src, POLLIN)
+            self.wait = self.writing if ready_fd == self.src else self.reading
             return False
-        self.wait = (self.src, POLLIN)
+        self.wait = self.reading
         return moved == 0
 
     def copy(self, ready_fd):
@@ -803,7 +804,7 @@ class Pump:
         except BlockingIOError:
             written = 0
         self.pending = self.pending[written:]
-        self.wait = (self.dst, POLLOUT) if self.pending else (self.src, POLLIN)
+        self.wait = self.writing if self.pending else self.reading
         return False
 
 
@@ -841,7 +842,7 @@ def relay(sock, target, log):
         probing = down.wait is None       # the peer half-closed: is it gone?
         ready = poller.poll(PEER_CLOSE_PROBE_MS if probing else None)
         for fd, events in ready:
-            if events & select.POLLNVAL:
+            if events & POLLNVAL:
                 raise Error("%s: cannot wait for descriptor %d with poll() on "
                             "this system; pipe it through cat" % (target, fd))
             if fd == 1 and events & ENDED and down.wait and not down.pending:
