@@ -485,7 +485,10 @@ class StdioProcess:
         try:
             return os.read(fd, n)
         except OSError as exc:
-            if exc.errno == errno.EIO:      # a terminal whose other side closed
+            # The end of the stream too: a terminal whose other side closed
+            # (EIO); a socket whose other side closed with our bytes unread,
+            # after all of its own (ECONNRESET).
+            if exc.errno in (errno.EIO, errno.ECONNRESET):
                 return b""
             raise
 
