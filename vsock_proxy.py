@@ -147,10 +147,13 @@ def say_nothing(message):
 
 def printable(text):
     """Escape control characters, so that bytes from a peer (or a path)
-    cannot send escape sequences to the user's terminal."""
+    cannot send escape sequences to the user's terminal.  argv bytes the
+    locale cannot decode show as the bytes they are: '\\xff'."""
     if isinstance(text, bytes):
         text = text.decode("latin-1")
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return "".join(c if c.isprintable() else
+                   "\\x%02x" % (ord(c) - 0xDC00) if is_undecodable_byte(c) else
+                   repr(c)[1:-1] for c in text)
 
 
 def errno_name(exc):
@@ -237,9 +240,9 @@ def parse_cid(text, target):
     if ":" in text:
         cid, _, rest = text.partition(":")
         raise UsageError(
-            "%s: %r after the CID is not part of an address; scp and sftp read "
-            "a '/' before ':' as a local path: write vsock%%%s:%s"
-            % (printable(target), ":" + rest, cid, rest))
+            "%s: '%s' after the CID is not part of an address; scp and sftp "
+            "read a '/' before ':' as a local path: write vsock%%%s:%s"
+            % tuple(map(printable, (target, ":" + rest, cid, rest))))
     return parse_vsock_number(text, "%s: CID" % printable(target))
 
 
@@ -281,16 +284,16 @@ def parse_target(text, port=DEFAULT_PORT):
                          "vsock-mux/PATH or machine/NAME")
     if any(c.isspace() or not (c.isprintable() or is_undecodable_byte(c))
            for c in text):
-        raise UsageError("TARGET %r contains white space or control characters"
-                         % text)
+        raise UsageError("TARGET '%s' contains white space or control "
+                         "characters" % printable(text))
     if text in (".host", "machine/.host", "machine%.host"):
         return Target("unix", LOCAL_SSHD_SOCKET, None, text)
     separator = min((i for i in (text.find("/"), text.find("%")) if i >= 0),
                     default=-1)
     kind, rest = text[:separator], text[separator + 1:]
     if separator < 0 or kind not in ("vsock", "unix", "vsock-mux", "machine"):
-        raise UsageError("unknown TARGET %r; expected vsock/CID, unix/PATH, "
-                         "vsock-mux/PATH, machine/NAME or .host" % text)
+        raise UsageError("unknown TARGET '%s'; expected vsock/CID, unix/PATH, "
+                         "vsock-mux/PATH, machine/NAME or .host" % printable(text))
     if kind == "vsock":
         return Target(kind, parse_cid(rest, text), port, text)
     if kind == "unix":
@@ -1044,8 +1047,9 @@ def parse_seconds(option, text):
     except ValueError:
         seconds = -1.0
     if not 0 <= seconds < 1e6 or (option == "--timeout" and seconds == 0):
-        raise UsageError("%s takes a number of seconds%s, not %r"
-                         % (option, " above 0" if option == "--timeout" else "", text))
+        raise UsageError("%s takes a number of seconds%s, not '%s'"
+                         % (option, " above 0" if option == "--timeout" else "",
+                            printable(text)))
     return seconds
 
 
@@ -1085,7 +1089,7 @@ def parse_command_line(args):
     if not positional:
         raise UsageError("no TARGET given; try vsock-proxy vsock/3, or --help")
     if len(positional) > 2:
-        raise UsageError("unexpected argument %r after TARGET and PORT"
+        raise UsageError("unexpected argument '%s' after TARGET and PORT"
                          % printable(positional[2]))
     options.target = parse_target(*positional)
     if options.fdpass and options.check:

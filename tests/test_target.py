@@ -85,7 +85,6 @@ USAGE_ERRORS = [
     (["vsock/3", "-1"], "PORT '-1' is not a decimal number"),
     (["vsock/" + "1" * 5000], "CID 111111111111... is out of range (0 to 4294967294)"),
     (["vsock/3", "9" * 100000], "PORT 999999999999... is out of range"),
-    (["--\udcff", "vsock/3"], "unknown option '--\\udcff'"),
     (["vsock/3", "4294967295"], "PORT 4294967295 means 'any'"),
     (["vsock/3", "99999999999"], "PORT 99999999999 is out of range"),
     (["vsock/3", ""], "PORT '' is not a decimal number"),
@@ -107,6 +106,36 @@ def test_bad_input_is_a_usage_error_with_one_line(argv, message, capsys):
     assert out == ""
     assert err.startswith("vsock-proxy: ") and err.count("\n") == 1
     assert message in err
+
+
+def test_an_escape_sequence_in_an_argument_is_escaped_once(capsys):
+    assert main(["vsock/3", "22", "\x1b[31mred"]) == 2
+    assert capsys.readouterr().err == (
+        "vsock-proxy: unexpected argument '\\x1b[31mred' after TARGET and PORT\n")
+
+
+# argv bytes the locale cannot decode arrive as U+DC80..U+DCFF; messages show
+# the byte itself (\xff), as they show control characters (\x1b).
+UNDECODABLE_ARGV = [
+    (["--\udcff", "vsock/3"], "unknown option '--\\xff' (see --help)"),
+    (["tcp/\udcff"], "unknown TARGET 'tcp/\\xff'; expected vsock/CID, unix/PATH, "
+                     "vsock-mux/PATH, machine/NAME or .host"),
+    (["unix/a\udcff\x1b"], "TARGET 'unix/a\\xff\\x1b' contains white space or control "
+                           "characters"),
+    (["vsock/\udcff"], "vsock/\\xff: CID '\\xff' is not a decimal number"),
+    (["vsock/3:\udcff"], "vsock/3:\\xff: ':\\xff' after the CID is not part of an address; "
+                         "scp and sftp read a '/' before ':' as a local path: "
+                         "write vsock%3:\\xff"),
+    (["--timeout", "\udcff", "vsock/3"], "--timeout takes a number of seconds above 0, "
+                                        "not '\\xff'"),
+    (["vsock/3", "22", "\udcff"], "unexpected argument '\\xff' after TARGET and PORT"),
+]
+
+
+@pytest.mark.parametrize("argv, message", UNDECODABLE_ARGV)
+def test_undecodable_argv_bytes_show_as_the_bytes_they_are(argv, message, capsys):
+    assert main(argv) == 2
+    assert capsys.readouterr().err == "vsock-proxy: %s\n" % message
 
 
 def test_parse_target_raises_usage_error_for_the_api():
