@@ -1130,6 +1130,24 @@ def report(message):
         pass
 
 
+def print_text(text):
+    """--help, --version, --ssh-config: exit 0 only once all of it is written.
+    A reader that left early (EPIPE: '| head -3') wanted no more: exit 1
+    without a word, as with other commands in such a pipe.  Anything else (a
+    full disk, /dev/full, a closed stdout) is one line."""
+    try:
+        if sys.stdout is None:         # fd 1 was closed when we started
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return 1
+    except OSError as exc:
+        report("cannot write to stdout: %s" % describe_os_error(exc))
+        return 1
+    return 0
+
+
 def main(argv=None):
     """Run the command; returns the exit status."""
     options = None
@@ -1137,9 +1155,7 @@ def main(argv=None):
     try:
         options = parse_command_line(sys.argv[1:] if argv is None else argv)
         if isinstance(options, str):
-            if sys.stdout:
-                sys.stdout.write(options)
-            return 0
+            return print_text(options)
         if options.fdpass and not stdout_is_unix_socket():
             raise UsageError("--fdpass needs stdout to be a unix socket: add "
                              "'ProxyUseFdpass yes' to ssh_config, or drop --fdpass")

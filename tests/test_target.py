@@ -9,6 +9,7 @@ import os
 import pytest
 
 import vsock_proxy
+from conftest import PROXY_ARGV, run_cmd, run_proxy
 from vsock_proxy import Target, UsageError, main, parse_target
 
 VALID = [
@@ -173,3 +174,34 @@ def test_ssh_config_escapes_percent_in_the_installation_path(monkeypatch, capsys
     monkeypatch.setattr("sys.argv", ["/opt/100%/bin/vsock-proxy"])
     assert main(["--ssh-config"]) == 0
     assert "ProxyCommand /opt/100%%/bin/vsock-proxy --fdpass %n %p" in capsys.readouterr().out
+
+
+# --- our own output: all of it arrives, or exit 1 --------------------------------
+
+PRINTING_OPTIONS = ["--help", "--version", "--ssh-config"]
+
+
+@pytest.mark.parametrize("option", PRINTING_OPTIONS)
+def test_output_into_a_full_disk_is_one_line_and_exit_1(option):
+    with open("/dev/full", "wb") as full:
+        result = run_proxy(option, stdout=full)
+    assert (result.returncode, result.stderr) == (
+        1, b"vsock-proxy: cannot write to stdout: No space left on device (ENOSPC)\n")
+
+
+@pytest.mark.parametrize("option", PRINTING_OPTIONS)
+def test_output_into_a_closed_pipe_is_quiet_but_no_success(option):
+    """Like '| head -1' after head has gone: the reader wanted no more."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = run_proxy(option, stdout=write_end)
+    finally:
+        os.close(write_end)
+    assert (result.returncode, result.stderr) == (1, b"")
+
+
+def test_output_to_a_closed_stdout_is_one_line_and_exit_1():
+    result = run_cmd(["sh", "-c", 'exec "$@" >&-', "sh", *PROXY_ARGV, "--version"])
+    assert (result.returncode, result.stderr) == (
+        1, b"vsock-proxy: cannot write to stdout: Bad file descriptor (EBADF)\n")
