@@ -562,7 +562,7 @@ def ask_machined(path, target, timeout):
         error, parameters = message.get("error"), message.get("parameters")
         if not (error or isinstance(parameters, dict)):
             raise ValueError("no parameters")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):    # nested too deep
         raise ConnectError("%s: systemd-machined at %s sent a reply that is "
                            "not Varlink JSON" % (target, printable(path)))
     if error == "io.systemd.Machine.NoSuchMachine":

@@ -23,7 +23,8 @@ class FakeMachined:
         socket_dir = runtime_dir / "systemd" / "machine"
         socket_dir.mkdir(parents=True)
         self.machines, self.calls = machines, []
-        self.reply_override = None          # a whole reply message, to answer malformed
+        self.reply_override = None          # a whole reply message (bytes: sent as
+                                            # they are), to answer malformed
         self.listener = unix_listener(socket_dir / "io.systemd.Machine")
         threading.Thread(target=self.serve, daemon=True).start()
 
@@ -48,7 +49,9 @@ class FakeMachined:
                     reply = {"parameters": self.machines[name]}
                 else:
                     reply = {"error": "io.systemd.Machine.NoSuchMachine", "parameters": {}}
-                conn.sendall(json.dumps(reply).encode() + b"\0")
+                if not isinstance(reply, bytes):
+                    reply = json.dumps(reply).encode()
+                conn.sendall(reply + b"\0")
 
     def close(self):
         self.listener.close()
@@ -168,6 +171,20 @@ def test_a_reply_without_parameters_is_not_varlink(machined, reply):
     result = run_proxy("machine/fedora")
     assert result.returncode == 1
     assert result.stderr.decode().endswith("sent a reply that is not Varlink JSON\n")
+
+
+def test_a_reply_nested_too_deep_is_not_varlink(machined):
+    depth = 100000
+    machined("system", {"fedora": "placeholder"}).reply_override = (
+        b'{"parameters": {"vSockCid": ' + b"[" * depth + b"]" * depth + b"}}")
+    result = run_proxy("machine/fedora")
+    assert result.returncode == 1
+    assert result.stderr.decode() == (
+        "vsock-proxy: machine/fedora: systemd-machined at %s/systemd/machine/"
+        "io.systemd.Machine sent a reply that is not Varlink JSON\n"
+        % os.environ["VSOCK_PROXY_RUN_DIR"])
+    with pytest.raises(vsock_proxy.ConnectError, match="not Varlink JSON"):
+        vsock_proxy.connect("machine/fedora")
 
 
 def test_a_boolean_is_no_cid(machined):
