@@ -318,6 +318,17 @@ def seconds_text(seconds):
     return "%gs" % round(seconds, 2)
 
 
+def time_left(deadline):
+    """The time left until deadline, at least 1 ms (so that a step that can
+    be done at once still is): one deadline bounds a whole exchange."""
+    return max(deadline - time.monotonic(), 0.001)
+
+
+def set_deadline(sock, deadline):
+    """Bound sock's next step by deadline."""
+    sock.settimeout(time_left(deadline))
+
+
 def connect_vsock(target, timeout):
     family = getattr(socket, "AF_VSOCK", None)
     if family is None:
@@ -381,19 +392,28 @@ def vsock_connect_error(target, exc, timeout):
 
 
 def connect_unix(target, timeout):
+    try:
+        return open_unix_socket(target.address, timeout)
+    except OSError as exc:
+        raise unix_connect_error(target, exc, timeout)
+
+
+def open_unix_socket(path, timeout):
+    """A connected, blocking AF_UNIX socket.  A listen backlog that stays
+    full for timeout (a burst of connections) raises EAGAIN."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         # A blocking connect with SO_SNDTIMEO waits for room in a full listen
-        # backlog (a burst of connections); a non-blocking one fails at once
-        # with EAGAIN.  The option is cleared again: it would also limit
-        # every later send, and ssh inherits it with --fdpass.
+        # backlog; a non-blocking one fails at once with EAGAIN.  The option
+        # is cleared again: it would also limit every later send, and ssh
+        # inherits it with --fdpass.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(timeout))
-        sock.connect(target.address)
+        sock.connect(path)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(0))
         return sock
-    except OSError as exc:
+    except BaseException:
         sock.close()
-        raise unix_connect_error(target, exc, timeout)
+        raise
 
 
 def unix_connect_error(target, exc, timeout):
@@ -468,7 +488,7 @@ def connect_vsock_mux(target, timeout):
     deadline = time.monotonic() + timeout
     sock = connect_unix(target, timeout)
     try:
-        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        set_deadline(sock, deadline)
         try:
             # One write: vhost-device-vsock drops a CONNECT line split in two.
             sock.sendall(b"CONNECT %d\n" % target.port)
@@ -496,10 +516,9 @@ def read_mux_reply(sock, target, timeout, deadline):
                                "(no newline in %d bytes)"
                                % (target, printable(line), len(line)))
         try:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if time.monotonic() >= deadline:
                 raise socket.timeout()
-            sock.settimeout(remaining)
+            set_deadline(sock, deadline)
             peeked = sock.recv(MUX_REPLY_MAX - len(line), socket.MSG_PEEK)
             if peeked:
                 newline = peeked.find(b"\n")
@@ -540,18 +559,23 @@ def machined_runtime_dirs():
     return ([user] if user else []) + [os.environ.get("VSOCK_PROXY_RUN_DIR", "/run")]
 
 
-def ask_machined(path, target, timeout):
+def ask_machined(path, target, deadline):
     """Call io.systemd.Machine.List for one machine.  Returns the reply's
-    parameters, None for NoSuchMachine; raises OSError if nobody answers."""
+    parameters, None for NoSuchMachine.  The deadline covers the whole
+    exchange, however slowly the reply drips in: past it, socket.timeout.
+    A listen backlog that stays full (machined is busy) raises
+    BlockingIOError; another OSError means that nobody listens."""
     import json
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout)
-        sock.connect(path)
+    with open_unix_socket(path, time_left(deadline)) as sock:
         call = {"method": "io.systemd.Machine.List",
                 "parameters": {"name": target.address}}
+        set_deadline(sock, deadline)
         sock.sendall(json.dumps(call).encode() + b"\0")
         reply = b""
         while b"\0" not in reply:          # Varlink messages end with a NUL
+            if time.monotonic() >= deadline:
+                raise socket.timeout()
+            set_deadline(sock, deadline)
             chunk = sock.recv(65536)
             if not chunk or len(reply) > 1 << 20:
                 raise ConnectError("%s: systemd-machined at %s sent no complete "
@@ -579,14 +603,15 @@ def resolve_machine(target, deadline):
     answered = False
     for runtime_dir in machined_runtime_dirs():
         path = os.path.join(runtime_dir, MACHINED_SOCKET)
-        timeout = deadline - time.monotonic()
         try:
-            if timeout <= 0:
-                raise socket.timeout()
-            machine = ask_machined(path, target, timeout)
+            machine = ask_machined(path, target, deadline)
         except socket.timeout:
             raise ConnectError("%s: systemd-machined at %s did not answer in time"
                                % (target, printable(path)), transient=True)
+        except BlockingIOError:
+            raise ConnectError("%s: systemd-machined at %s stayed busy (its "
+                               "listen backlog is full)" % (target, printable(path)),
+                               transient=True)
         except OSError:
             continue                       # this instance is not running
         answered = True
@@ -637,7 +662,7 @@ def connect_once(target, timeout, log):
     if target.kind == "machine":
         deadline = time.monotonic() + timeout
         target = resolve_machine(target, deadline)
-        timeout = max(deadline - time.monotonic(), 0.001)
+        timeout = time_left(deadline)
     log("connecting to %s" % target.describe())
     return CONNECTORS[target.kind](target, timeout)
 

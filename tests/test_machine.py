@@ -5,6 +5,8 @@ io.systemd.Machine.List with {"name": NAME}, io.systemd.Machine.NoSuchMachine.""
 
 import json
 import os
+import re
+import socket
 import threading
 import time
 
@@ -16,17 +18,31 @@ from conftest import FAKE_BANNER, run_proxy, serve_unix, unix_listener
 
 class FakeMachined:
     """One machined instance under runtime_dir/systemd/machine/io.systemd.Machine,
-    knowing `machines`: name -> List reply parameters, or a Varlink error name."""
+    knowing `machines`: name -> List reply parameters, or a Varlink error name.
 
-    def __init__(self, runtime_dir, machines):
+    behaviour "answer" (at once), "drip" (the reply one byte every half
+    second: a machined that is busy but alive) or "busy" (its listen backlog
+    is full: it accepts nobody for busy_for seconds, then answers)."""
+
+    def __init__(self, runtime_dir, machines, behaviour="answer", busy_for=3600):
         self.runtime_dir = runtime_dir
         socket_dir = runtime_dir / "systemd" / "machine"
         socket_dir.mkdir(parents=True)
-        self.machines, self.calls = machines, []
+        self.machines, self.calls, self.behaviour = machines, [], behaviour
         self.reply_override = None          # a whole reply message (bytes: sent as
                                             # they are), to answer malformed
-        self.listener = unix_listener(socket_dir / "io.systemd.Machine")
-        threading.Thread(target=self.serve, daemon=True).start()
+        self.path = str(socket_dir / "io.systemd.Machine")
+        # A backlog of 0 holds one waiting connection: when busy, ours fills it.
+        self.listener = unix_listener(self.path, backlog=0 if behaviour == "busy" else 16)
+        if behaviour == "busy":
+            self.waiting = socket.socket(socket.AF_UNIX)
+            self.waiting.connect(self.path)
+            self.waiting.close()
+            self.accepting = threading.Timer(busy_for, self.serve)
+            self.accepting.daemon = True
+            self.accepting.start()
+        else:
+            threading.Thread(target=self.serve, daemon=True).start()
 
     def serve(self):
         while True:
@@ -37,7 +53,12 @@ class FakeMachined:
             with conn:
                 request = b""
                 while not request.endswith(b"\0"):
-                    request += conn.recv(4096)
+                    chunk = conn.recv(4096)
+                    if not chunk:
+                        break
+                    request += chunk
+                if not request.endswith(b"\0"):
+                    continue                    # the client gave up
                 call = json.loads(request[:-1])
                 self.calls.append(call)
                 name = call["parameters"]["name"]
@@ -51,23 +72,35 @@ class FakeMachined:
                     reply = {"error": "io.systemd.Machine.NoSuchMachine", "parameters": {}}
                 if not isinstance(reply, bytes):
                     reply = json.dumps(reply).encode()
-                conn.sendall(reply + b"\0")
+                reply += b"\0"
+                try:
+                    if self.behaviour == "drip":
+                        for i in range(len(reply)):
+                            conn.sendall(reply[i:i + 1])
+                            time.sleep(0.5)
+                    else:
+                        conn.sendall(reply)
+                except OSError:
+                    pass                        # the client gave up
 
     def close(self):
+        if self.behaviour == "busy":
+            self.accepting.cancel()
         self.listener.close()
 
 
 @pytest.fixture
 def machined(tmp_path_factory, monkeypatch):
-    """Factory: machined("user" | "system", {name: parameters}).  Both runtime
-    directories are pointed at temporary ones, so no real machined is asked."""
+    """Factory: machined("user" | "system", {name: parameters}, **options), the
+    options of FakeMachined.  Both runtime directories are pointed at
+    temporary ones, so no real machined is asked."""
     dirs = {"user": tmp_path_factory.mktemp("xdg"), "system": tmp_path_factory.mktemp("run")}
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(dirs["user"]))
     monkeypatch.setenv("VSOCK_PROXY_RUN_DIR", str(dirs["system"]))
     started = []
 
-    def start(scope, machines):
-        started.append(FakeMachined(dirs[scope], machines))
+    def start(scope, machines, **options):
+        started.append(FakeMachined(dirs[scope], machines, **options))
         return started[-1]
     yield start
     for instance in started:
@@ -208,3 +241,41 @@ def test_a_machined_that_never_answers_is_bounded_by_the_timeout(machined, tmp_p
     assert result.stderr.decode() == (
         "vsock-proxy: machine/fedora: systemd-machined at %s/io.systemd.Machine did not "
         "answer in time\n" % socket_dir)
+
+
+def test_a_machined_that_drips_its_reply_is_bounded_by_the_timeout(machined):
+    """One deadline for the whole exchange, not one per read."""
+    instance = machined("user", {"fedora": vm(sshAddress="unix/nowhere")}, behaviour="drip")
+    started = time.monotonic()
+    result = run_proxy("--timeout", "1", "machine/fedora", timeout=20)
+    assert time.monotonic() - started < 10             # a bound, not a measurement
+    assert (result.returncode, result.stderr.decode()) == (
+        1, "vsock-proxy: machine/fedora: systemd-machined at %s did not answer in "
+           "time\n" % instance.path)
+
+
+def test_wait_gives_up_on_a_dripping_machined_on_time(machined):
+    machined("user", {"fedora": vm(sshAddress="unix/nowhere")}, behaviour="drip")
+    started = time.monotonic()
+    result = run_proxy("--timeout", "1", "--wait", "2", "machine/fedora", timeout=20)
+    assert time.monotonic() - started < 10             # a bound, not a measurement
+    assert result.returncode == 1
+    assert re.fullmatch(r"vsock-proxy: machine/fedora: systemd-machined at \S+ did not "
+                        r"answer in time \(gave up after [\d.]+s and \d+ attempts\)\n",
+                        result.stderr.decode()), result.stderr
+
+
+def test_a_machined_with_a_full_listen_backlog_is_busy_not_missing(machined):
+    instance = machined("user", {}, behaviour="busy")
+    result = run_proxy("--timeout", "1", "machine/fedora", timeout=20)
+    assert (result.returncode, result.stderr.decode()) == (
+        1, "vsock-proxy: machine/fedora: systemd-machined at %s stayed busy (its listen "
+           "backlog is full)\n" % instance.path)
+
+
+def test_wait_retries_a_busy_machined_until_it_answers(machined, tmp_path):
+    guest = serve_unix(tmp_path, lambda conn: conn.sendall(b"SSH-2.0-Guest\r\n"))
+    machined("user", {"fedora": vm(sshAddress="unix" + guest)}, behaviour="busy", busy_for=1.5)
+    result = run_proxy("--timeout", "0.5", "--wait", "10", "machine/fedora", input=b"",
+                       timeout=20)
+    assert (result.returncode, result.stdout) == (0, b"SSH-2.0-Guest\r\n"), result.stderr
