@@ -27,6 +27,8 @@ __version__ = "0.1.0"
 
 DEFAULT_PORT = 22
 DEFAULT_TIMEOUT = 5.0
+LONGEST = 1e6                     # seconds: timeouts and waits stay below it
+FOREVER = float("inf")            # the API's timeout or wait of None: no deadline
 VMADDR_CID_ANY = 0xFFFFFFFF       # "any CID": valid for bind(), never a destination
 CID_NAMES = {"hypervisor": 0, "local": 1, "host": 2}
 LOCAL_SSHD_SOCKET = "/run/ssh-unix-local/socket"   # systemd-ssh-generator's local sshd
@@ -156,6 +158,15 @@ def printable(text):
                    repr(c)[1:-1] for c in text)
 
 
+def shown(value):
+    """A value from an API caller, short, for a message (str() of an int
+    with more than 4300 digits is an error of its own)."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return "an int of %d bits" % value.bit_length()
+    text = repr(value)
+    return text if len(text) <= 24 else text[:21] + "..."
+
+
 def errno_name(exc):
     return errno.errorcode.get(exc.errno, "errno %s" % exc.errno)
 
@@ -228,8 +239,15 @@ def parse_vsock_number(text, what):
     return value
 
 
-def parse_port(text):
-    return parse_vsock_number(text, "PORT")
+def parse_port(port):
+    """PORT: the command line's text, or an int from the API under the same
+    rules (a bool, or a float such as 22.7, is no port)."""
+    if isinstance(port, int) and not isinstance(port, bool) and 0 <= port < 1 << 64:
+        port = str(port)               # short enough for str()
+    if not isinstance(port, str):
+        raise UsageError("PORT takes a number from 0 to %d, not %s"
+                         % (VMADDR_CID_ANY - 1, shown(port)))
+    return parse_vsock_number(port, "PORT")
 
 
 def parse_cid(text, target):
@@ -275,10 +293,15 @@ def is_undecodable_byte(char):
 def parse_target(text, port=DEFAULT_PORT):
     """Parse TARGET ('vsock/3', 'unix%run/vm.sock', ...) into a Target.
 
-    port may be an int or the PORT argument as a string.  Raises UsageError.
+    text is a str, or bytes, decoded as os.fsdecode decodes them (and Python
+    argv): bytes the locale cannot decode reach a socket path unchanged.
+    port is an int or the PORT argument as a string.  Raises UsageError.
     """
-    if isinstance(port, str):
-        port = parse_port(port)
+    port = parse_port(port)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    if not isinstance(text, str):
+        raise UsageError("TARGET takes a str such as 'vsock/3', not %s" % shown(text))
     if not text:
         raise UsageError("empty TARGET; try vsock/CID, unix/PATH, "
                          "vsock-mux/PATH or machine/NAME")
@@ -308,8 +331,11 @@ def parse_target(text, port=DEFAULT_PORT):
 # ---------------------------------------------------------------------------
 
 def timeval(seconds):
-    """struct timeval; any time above 0 stays above 0 (0 means 'forever')."""
+    """struct timeval; any time above 0 stays above 0, because 0 means
+    'forever' (to SO_SNDTIMEO), which is what FOREVER becomes."""
     import struct
+    if seconds == FOREVER:
+        seconds = 0
     micro = max(round(seconds * 1e6), 1 if seconds > 0 else 0)
     return struct.pack("ll", micro // 1000000, micro % 1000000)
 
@@ -325,8 +351,8 @@ def time_left(deadline):
 
 
 def set_deadline(sock, deadline):
-    """Bound sock's next step by deadline."""
-    sock.settimeout(time_left(deadline))
+    """Bound sock's next step by deadline (none: FOREVER)."""
+    sock.settimeout(None if deadline == FOREVER else time_left(deadline))
 
 
 def connect_vsock(target, timeout):
@@ -343,6 +369,9 @@ def connect_vsock(target, timeout):
             "%s: cannot create an AF_VSOCK socket: %s; is the vsock module "
             "loaded (modprobe vhost_vsock)? Otherwise use unix/ or vsock-mux/"
             % (target, describe_os_error(exc)))
+    # The kernel has no "forever" for a vsock connect (0 means its default,
+    # 2 s): no deadline becomes the longest timeout we take.
+    timeout = min(timeout, LONGEST)
     try:
         set_vsock_connect_timeout(sock, timeout)
         sock.settimeout(timeout)
@@ -672,12 +701,23 @@ def connect(target, port=DEFAULT_PORT, *, timeout=DEFAULT_TIMEOUT, wait=0.0,
     """Connect to TARGET and return the connected, blocking socket.
 
     TARGET is a string ('vsock/3', 'unix/run/vm.sock', 'vsock-mux/PATH',
-    'machine/NAME', '.host') or a Target.  For vsock-mux the handshake is
-    done: the socket's first byte is the guest's.  timeout bounds each
-    attempt; with wait > 0, failures a booting VM produces are retried until
-    `wait` seconds have passed.  Raises UsageError or ConnectError, whose
-    message is the line the command prints.
+    'machine/NAME', '.host'; bytes are decoded as os.fsdecode does) or a
+    Target from parse_target, whose port is used instead of `port`.  port is
+    an int or a decimal string, 0 to 4294967294.  For vsock-mux the
+    handshake is done: the socket's first byte is the guest's.
+
+    timeout (seconds above 0) bounds each attempt, handshake and machined
+    lookup included; None means no deadline, as for Python's sockets.  With
+    wait > 0, failures a booting VM produces are retried until `wait`
+    seconds have passed; 0 tries once, None retries until it connects.  A
+    timeout of 0 is refused: to Python's sockets it means "do not wait", to
+    the kernel's timeouts "forever".
+
+    Raises UsageError for bad arguments, ConnectError if the target cannot
+    be reached; the message is the line the command prints.
     """
+    timeout = seconds_argument("timeout", timeout, zero_allowed=False)
+    wait = seconds_argument("wait", wait, zero_allowed=True)
     if not isinstance(target, Target):
         target = parse_target(target, port)
     log = log or say_nothing
@@ -700,6 +740,20 @@ def connect(target, port=DEFAULT_PORT, *, timeout=DEFAULT_TIMEOUT, wait=0.0,
             log("attempt %d: %s; retrying" % (attempt, exc.args[0]))
             time.sleep(min(backoff, remaining))
             backoff = min(backoff * 2, 1.0)
+
+
+def seconds_argument(name, value, zero_allowed):
+    """connect()'s timeout or wait: an int or a float (not a bool) below
+    LONGEST, or None for no deadline (FOREVER)."""
+    if value is None:
+        return FOREVER
+    if (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and (0 <= value if zero_allowed else 0 < value) and value < LONGEST):
+        return float(value)
+    raise UsageError("%s takes a number of seconds, %s and below %d, or None "
+                     "for no deadline; not %s"
+                     % (name, "0 or more" if zero_allowed else "above 0", LONGEST,
+                        shown(value)))
 
 
 # ---------------------------------------------------------------------------
@@ -1071,7 +1125,7 @@ def parse_seconds(option, text):
         seconds = float(text)
     except ValueError:
         seconds = -1.0
-    if not 0 <= seconds < 1e6 or (option == "--timeout" and seconds == 0):
+    if not 0 <= seconds < LONGEST or (option == "--timeout" and seconds == 0):
         raise UsageError("%s takes a number of seconds%s, not '%s'"
                          % (option, " above 0" if option == "--timeout" else "",
                             printable(text)))

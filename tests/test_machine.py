@@ -127,6 +127,13 @@ def test_machine_with_a_unix_ssh_address(machined, muxer):
         assert sock.recv(100).startswith(b"OK ")
 
 
+def test_connect_timeout_none_means_no_deadline_for_a_machine_too(machined, muxer):
+    mux = muxer("vhost-device")
+    machined("user", {"fedora": vm(sshAddress="vsock-mux" + mux.path)})
+    with vsock_proxy.connect("machine/fedora", timeout=None) as sock:
+        assert sock.recv(100) == FAKE_BANNER
+
+
 def test_vsock_cid_comes_first(machined, monkeypatch):
     """A VM with a CID is reached over AF_VSOCK (checked without connecting)."""
     machined("system", {"fedora": vm(vSockCid=42, sshAddress="unix/nowhere")})

@@ -5,6 +5,7 @@ bad input is a usage error (exit 2) with one line that names what is wrong.
 """
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -137,6 +138,39 @@ UNDECODABLE_ARGV = [
 def test_undecodable_argv_bytes_show_as_the_bytes_they_are(argv, message, capsys):
     assert main(argv) == 2
     assert capsys.readouterr().err == "vsock-proxy: %s\n" % message
+
+
+# The API's port: an int under the command line's rules, never sent unchecked.
+BAD_API_PORTS = [
+    (-1, "PORT takes a number from 0 to 4294967294, not -1"),
+    (4294967295, "PORT 4294967295 means 'any' to vsock and is no destination"),
+    (2**40, "PORT 109951162777... is out of range (0 to 4294967294)"),
+    pytest.param(10**5000, "PORT takes a number from 0 to 4294967294, not an int of "
+                           "16610 bits", id="10**5000"),    # too long for str()
+    (True, "PORT takes a number from 0 to 4294967294, not True"),
+    (22.7, "PORT takes a number from 0 to 4294967294, not 22.7"),
+    (22.0, "PORT takes a number from 0 to 4294967294, not 22.0"),
+    (None, "PORT takes a number from 0 to 4294967294, not None"),
+]
+
+
+@pytest.mark.parametrize("port, message", BAD_API_PORTS)
+def test_parse_target_refuses_an_int_port_the_command_line_would_refuse(port, message):
+    with pytest.raises(UsageError) as caught:
+        parse_target("vsock-mux/run/fc.vsock", port)
+    assert str(caught.value).startswith(message)
+
+
+@pytest.mark.parametrize("text", [3, None, Path("/run/vm.sock")])
+def test_parse_target_refuses_a_target_that_is_no_string(text):
+    with pytest.raises(UsageError, match="^TARGET takes a str such as 'vsock/3', not "):
+        parse_target(text)
+
+
+def test_parse_target_decodes_a_bytes_target_as_argv_is_decoded():
+    target = parse_target(b"unix/tmp/s\xff.sock")
+    assert os.fsencode(target.address) == b"/tmp/s\xff.sock"
+    assert str(target) == "unix/tmp/s\\xff.sock"
 
 
 def test_parse_target_raises_usage_error_for_the_api():

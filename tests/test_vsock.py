@@ -18,6 +18,7 @@ import threading
 
 import pytest
 
+import vsock_proxy
 from conftest import ROOT, AcceptLoop, ThreadedServer, echo, proxy_process, run_proxy
 from endings import ENDINGS, run_case
 
@@ -172,6 +173,12 @@ def test_fdpass_hands_over_a_vsock_socket(vsock_echo):
 def test_check_succeeds_against_a_listening_port(vsock_echo):
     result = run_proxy("--check", "vsock/1", str(vsock_echo))
     assert (result.returncode, result.stdout, result.stderr) == (0, b"", b"")
+
+
+def test_connect_timeout_none_means_no_deadline_on_vsock_too(vsock_echo):
+    with vsock_proxy.connect("vsock/1", vsock_echo, timeout=None) as sock:
+        sock.sendall(b"ping")
+        assert sock.recv(4) == b"ping"
 
 
 def test_port_with_no_listener_is_reset_at_once():

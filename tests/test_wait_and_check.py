@@ -1,6 +1,7 @@
 """Waiting for a booting VM (--wait), probing from scripts (--check), and the
 Python API the command line is built on."""
 
+import os
 import re
 import socket
 import threading
@@ -9,7 +10,7 @@ import time
 import pytest
 
 import vsock_proxy
-from conftest import FAKE_BANNER, run_proxy, unix_listener
+from conftest import FAKE_BANNER, run_proxy, serve_unix, unix_listener
 
 
 def appear_later(path, delay):
@@ -162,3 +163,72 @@ def test_errors_share_one_base_class():
     assert issubclass(vsock_proxy.ConnectError, vsock_proxy.Error)
     with pytest.raises(vsock_proxy.Error):
         vsock_proxy.connect("nonsense")
+
+
+# --- connect()'s arguments: checked before anything is sent ----------------------
+
+def test_connect_sends_nothing_for_a_port_that_is_no_port(muxer):
+    mux = muxer("firecracker")
+    with pytest.raises(vsock_proxy.UsageError, match="^PORT takes a number from 0 to "
+                                                     "4294967294, not -1$"):
+        vsock_proxy.connect("vsock-mux" + mux.path, -1)
+    assert mux.connections == 0
+
+
+BAD_SECONDS = [
+    ("timeout", 0, "timeout takes a number of seconds, above 0 and below 1000000, "
+                   "or None for no deadline; not 0"),
+    ("timeout", -1, "; not -1"),
+    ("timeout", float("nan"), "; not nan"),
+    ("timeout", True, "; not True"),
+    ("timeout", "5", "; not '5'"),
+    ("timeout", 1e6, "; not 1000000.0"),
+    ("wait", -1, "wait takes a number of seconds, 0 or more and below 1000000, "
+                 "or None for no deadline; not -1"),
+    ("wait", "10", "; not '10'"),
+]
+
+
+@pytest.mark.parametrize("kind", ["unix", "vsock-mux"])
+@pytest.mark.parametrize("name, value, message", BAD_SECONDS)
+def test_connect_refuses_bad_seconds_alike_for_every_kind(kind, name, value, message, muxer):
+    """timeout=0 in particular: 'forever' to a struct timeval, 'do not wait' to a
+    Python socket; neither is a timeout, so no kind takes it."""
+    mux = muxer("firecracker")
+    with pytest.raises(vsock_proxy.UsageError) as caught:
+        vsock_proxy.connect(kind + mux.path, **{name: value})
+    assert str(caught.value).endswith(message)
+    assert mux.connections == 0
+
+
+def test_connect_timeout_none_means_no_deadline(muxer):
+    """As for Python's sockets: here a muxer's reply drips in, and is waited for."""
+    mux = muxer("firecracker", "drip", drip_delay=0.05)
+    with vsock_proxy.connect("vsock-mux" + mux.path, timeout=None) as sock:
+        assert sock.recv(100) == FAKE_BANNER
+
+
+def test_connect_timeout_none_on_a_unix_socket(tmp_path):
+    path = serve_unix(tmp_path, lambda conn: conn.sendall(b"hi"))
+    with vsock_proxy.connect("unix" + path, timeout=None) as sock:
+        assert sock.recv(10) == b"hi"
+
+
+def test_connect_wait_none_retries_until_it_connects(tmp_path):
+    path = str(tmp_path / "booting.sock")
+    appear_later(path, 0.5)
+    with vsock_proxy.connect("unix" + path, wait=None) as sock:
+        assert sock.recv(10) == b"up\n"
+
+
+def test_connect_takes_a_bytes_target(tmp_path):
+    """Decoded as argv is: a path the locale cannot decode still works."""
+    path = os.fsencode(tmp_path) + b"/s\xff.sock"
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(path)
+        listener.listen()
+        with vsock_proxy.connect(b"unix" + path) as sock:
+            conn, _ = listener.accept()
+            with conn:
+                conn.sendall(b"hi")
+            assert sock.recv(10) == b"hi"
