@@ -41,8 +41,7 @@ usage: vsock-proxy [OPTIONS] TARGET [PORT]
 Connect ssh to a virtual machine over vsock.  Use it as an OpenSSH
 ProxyCommand, or on its own to pipe data to a VM's port.
 
-TARGET (the separator after the prefix may be '/' or '%'; scp and sftp
-need '%', because they read a '/' before ':' as a local path):
+TARGET (the separator after the prefix may be '/' or '%'):
   vsock/CID          AF_VSOCK; CID is a number or hypervisor (0), local (1),
                      host (2).  e.g. vsock/3, vsock%3
   unix/PATH          an AF_UNIX socket that leads to the guest port (vfkit,
@@ -53,6 +52,9 @@ need '%', because they read a '/' before ':' as a local path):
   machine/NAME       a VM or container registered with systemd-machined
                      (systemd-vmspawn, systemd-nspawn).
   .host              this host's own sshd on unix/run/ssh-unix-local/socket.
+  Without any '/', for scp, rsync and git, which read a '/' before ':' as a
+  local path: vsock%3, and unix%run%vm.sock or vsock-mux%run%fc.vsock (after
+  unix% and vsock-mux%, every '%' stands for '/' when there is no '/').
 PORT                 the guest's vsock port (default 22).
 
 options:
@@ -72,6 +74,7 @@ options:
 examples:
   ssh vsock/3                          with the snippet Included (see below)
   scp notes.txt vsock%3:/tmp/
+  rsync -a src/ unix%run%vm.sock:src/
   ssh -o ProxyCommand='vsock-proxy %n %p' vsock/3
   ssh -o ProxyCommand='vsock-proxy --fdpass %n %p' \\
       -o ProxyUseFdpass=yes unix/run/vm/ssh.sock
@@ -319,6 +322,8 @@ def parse_target(text, port=DEFAULT_PORT):
                          "vsock-mux/PATH, machine/NAME or .host" % printable(text))
     if kind == "vsock":
         return Target(kind, parse_cid(rest, text), port, text)
+    if kind in ("unix", "vsock-mux") and text[separator] == "%" and "/" not in rest:
+        rest = rest.replace("%", "/")      # the spelling without '/' (see README)
     if kind == "unix":
         return Target(kind, parse_socket_path(rest, text), None, text)
     if kind == "vsock-mux":
@@ -449,7 +454,7 @@ def unix_connect_error(target, exc, timeout):
     path = printable(target.address)
     if exc.errno == errno.ENOENT:
         return ConnectError("%s: no such socket file: %s (ENOENT)%s"
-                            % (target, path, missing_path_hint(target.address)),
+                            % (target, path, missing_path_hint(target)),
                             transient=True)
     if exc.errno == errno.ECONNREFUSED and not is_socket_file(target.address):
         return ConnectError("%s: %s is not a socket" % (target, path))
@@ -477,17 +482,24 @@ def is_socket_file(path):
         return True            # gone meanwhile: let ECONNREFUSED speak
 
 
-def missing_path_hint(path):
-    """Why a socket path the user typed may not exist: ssh's %h lowercases,
-    and scp/sftp pass 'HOST:PATH' whole when HOST contains a '/'."""
-    other_case = path_in_other_case(path)
+def missing_path_hint(target):
+    """Why a socket path the user typed may not exist: a mistyped letter case
+    (or a ProxyCommand with %h, which ssh lowercases), or scp and sftp
+    passing 'HOST:PATH' whole when HOST contains a '/'."""
+    other_case = path_in_other_case(target.address)
     if other_case:
-        return ("; there is %s: ssh lowercases %%h, use %%n in ProxyCommand"
-                % printable(other_case))
-    if ":" in path:
-        return ("; scp and sftp pass 'HOST:PATH' whole when HOST has a '/': "
-                "give the socket a Host alias in ssh_config")
-    return ""
+        return ("; there is %s, which differs in letter case: check the name "
+                "(in a ProxyCommand, use %%n: ssh lowercases %%h)" % printable(other_case))
+    host, colon, remote_path = target.text.partition(":")
+    if not (colon and "/" in host):
+        return ""
+    socket_path = target.address.partition(":")[0]
+    if "%" in socket_path:      # the spelling without '/' reads '%' as '/'
+        cure = "give the socket a Host alias in ssh_config"
+    else:
+        cure = "write %s%%%s:%s" % (target.kind, socket_path.lstrip("/").replace("/", "%"),
+                                    remote_path)
+    return "; scp and sftp pass 'HOST:PATH' whole when HOST has a '/': " + printable(cure)
 
 
 def path_in_other_case(path):

@@ -81,16 +81,29 @@ def test_missing_socket_file(tmp_path, capsys):
         % (tmp_path, tmp_path))
 
 
-def test_missing_socket_file_with_other_case_names_ssh_lowercasing(tmp_path, capsys):
+def test_missing_socket_file_in_other_case_names_the_one_there(tmp_path, capsys):
+    """Right for a typo as much as for a ProxyCommand with %h."""
     (tmp_path / "VM.sock").touch()
     assert main(["unix%s/vm.sock" % tmp_path]) == 1
-    err = capsys.readouterr().err
-    assert "there is %s/VM.sock: ssh lowercases %%h, use %%n in ProxyCommand" % tmp_path in err
+    assert capsys.readouterr().err == (
+        "vsock-proxy: unix%s/vm.sock: no such socket file: %s/vm.sock (ENOENT); there is "
+        "%s/VM.sock, which differs in letter case: check the name (in a ProxyCommand, use "
+        "%%n: ssh lowercases %%h)\n" % (tmp_path, tmp_path, tmp_path))
 
 
-def test_missing_socket_with_colon_explains_scp_host_path(tmp_path, capsys):
+def test_missing_socket_with_colon_names_the_spelling_without_slash(tmp_path, capsys):
     assert main(["unix%s/vm.sock:/tmp" % tmp_path]) == 1
-    assert "scp and sftp pass 'HOST:PATH' whole" in capsys.readouterr().err
+    assert capsys.readouterr().err.endswith(
+        "; scp and sftp pass 'HOST:PATH' whole when HOST has a '/': write unix%s%%vm.sock:/tmp\n"
+        % str(tmp_path).replace("/", "%"))
+
+
+def test_missing_socket_with_colon_and_percent_in_its_path_suggests_an_alias(tmp_path, capsys):
+    """The spelling without '/' would read that '%' as '/'."""
+    assert main(["unix%s/100%%.sock:/tmp" % tmp_path]) == 1
+    assert capsys.readouterr().err.endswith(
+        "; scp and sftp pass 'HOST:PATH' whole when HOST has a '/': give the socket a "
+        "Host alias in ssh_config\n")
 
 
 def test_stale_socket_file_is_nothing_accepting(tmp_path, capsys):

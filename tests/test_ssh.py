@@ -68,9 +68,9 @@ def test_percent_h_lowercases_capitals_and_the_error_says_so(sshd, vsock_proxy_o
     path = capitalised_socket(sshd, tmp_path)
     result = sshd.ssh("unix" + path, "true", config=config, env=vsock_proxy_on_path)
     assert result.returncode == 255
-    assert ("vsock-proxy: unix%s: no such socket file: %s (ENOENT); there is %s: ssh "
-            "lowercases %%h, use %%n in ProxyCommand" % (path.lower(), path.lower(), path)
-            ).encode() in result.stderr
+    assert ("vsock-proxy: unix%s: no such socket file: %s (ENOENT); there is %s, which "
+            "differs in letter case: check the name (in a ProxyCommand, use %%n: ssh "
+            "lowercases %%h)\n" % (path.lower(), path.lower(), path)).encode() in result.stderr
 
 
 def proxy_command_in(snippet):
