@@ -93,21 +93,28 @@ exit status: 0 success, 1 connection failure, 2 usage error.
 SSH_CONFIG = """\
 # vsock-proxy: ssh to virtual machines over vsock.
 #   ssh vsock/3   ssh unix/run/vm.sock   ssh vsock-mux/run/fc.vsock
-#   ssh machine/NAME   ssh .host   scp FILE vsock%3:/tmp/
+#   ssh machine/NAME   ssh .host
+#   scp, rsync, git: no '/' in the name: vsock%3:/tmp/  unix%run%vm.sock:/tmp/
 # Include this file at the top of ~/.ssh/config (before any "Host *").
-# %n, not %h: ssh lowercases %h, which breaks unix paths with capitals.
+# '%n', not %h: ssh lowercases %h, which breaks unix paths with capitals;
+# quoted, so that the name reaches vsock-proxy as typed (a '*' in it is not
+# a glob); "!*'*": a name with a quote in it (older ssh allows them) is none
+# of ours.
 
-# VM addresses are reused by other VMs: do not pin their host keys.
-Host vsock/* vsock%* vsock-mux/* vsock-mux%* machine/* machine%*
-    ProxyCommand {command} --fdpass %n %p
+# VM addresses are reused by other VMs: do not pin their host keys, nor say
+# "Permanently added ..." into every scp and rsync (LogLevel ERROR; ssh -v
+# still shows everything).
+Host vsock/* vsock%* vsock-mux/* vsock-mux%* machine/* machine%* "!*'*"
+    ProxyCommand {command} --fdpass '%n' %p
     ProxyUseFdpass yes
     CheckHostIP no
     StrictHostKeyChecking no
     UserKnownHostsFile /dev/null
+    LogLevel ERROR
 
 # Socket paths and this host are stable: host keys are checked as usual.
-Host unix/* unix%* .host
-    ProxyCommand {command} --fdpass %n %p
+Host unix/* unix%* .host "!*'*"
+    ProxyCommand {command} --fdpass '%n' %p
     ProxyUseFdpass yes
     CheckHostIP no
 """
