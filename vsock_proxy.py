@@ -58,8 +58,11 @@ TARGET (the separator after the prefix may be '/' or '%'):
 PORT                 the guest's vsock port (default 22).
 
 options:
-  --fdpass           hand the connected socket to ssh and exit; needs
-                     "ProxyUseFdpass yes" (fastest: ssh then owns the socket)
+  --fdpass           hand the connected socket to ssh and exit, for
+                     "ProxyUseFdpass yes" (fastest: ssh then owns the socket);
+                     relays when stdout cannot carry a socket (a client that
+                     ignores ProxyUseFdpass).  Without --fdpass, a socket is
+                     handed over too when ssh waits for one.
   --timeout SECONDS  deadline for each connection attempt, handshake
                      included (default 5)
   --wait SECONDS     keep retrying while the VM is still booting (no socket
@@ -779,6 +782,69 @@ def seconds_argument(name, value, zero_allowed):
 # Handing over: fd passing for ProxyUseFdpass
 # ---------------------------------------------------------------------------
 
+def hands_over(fdpass, log):
+    """Pass the connected socket to ssh (True), or relay (False)?
+
+    --fdpass passes it when stdout can carry it; a client that reads the
+    snippet but ignores ProxyUseFdpass (asyncssh) runs its command with
+    pipes, where only relaying works.  Without --fdpass, ssh may still be
+    waiting for a socket: '-o ProxyCommand=...' replaces the snippet's
+    command, but the snippet's ProxyUseFdpass yes still applies."""
+    if fdpass:
+        if stdout_is_unix_socket():
+            return True
+        log("stdout is not a unix socket (ProxyUseFdpass is not in effect): "
+            "relaying instead of passing the socket")
+        return False
+    if ssh_waits_for_a_socket():
+        log("ssh waits for a socket (ProxyUseFdpass yes): passing it instead "
+            "of relaying")
+        return True
+    return False
+
+
+def ssh_waits_for_a_socket():
+    """ssh with ProxyUseFdpass yes gives its proxy one end of a socketpair as
+    both stdin and stdout, and waits for a descriptor on it.  socat EXEC:,
+    inetd and systemd's Accept=yes give one socket for both too, so the shape
+    alone does not tell: the process at the other end must be ssh."""
+    try:
+        stdin, stdout = os.fstat(0), os.fstat(1)
+    except OSError:
+        return False
+    return (stat.S_ISSOCK(stdout.st_mode)
+            and (stdin.st_dev, stdin.st_ino) == (stdout.st_dev, stdout.st_ino)
+            and peer_process_name(1) == "ssh")
+
+
+def peer_process_name(fd):
+    """The name of the process at the other end of the unix socket fd (of a
+    socketpair: the process that made it), or None where nothing says."""
+    with socket.socket(fileno=os.dup(fd)) as sock:
+        if sock.family != socket.AF_UNIX:
+            return None
+        if hasattr(socket, "SO_PEERCRED"):             # Linux: pid, uid, gid
+            credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        elif sys.platform == "darwin":                 # SOL_LOCAL, LOCAL_PEERPID
+            credentials = sock.getsockopt(0, 2, 4)
+        else:
+            return None
+    pid = int.from_bytes(credentials[:4], sys.byteorder)
+    try:
+        with open("/proc/%d/comm" % pid) as comm:
+            return comm.read().rstrip("\n")
+    except OSError:
+        pass                    # no /proc (macOS): ask ps
+    import subprocess
+    try:
+        ps = subprocess.run(["ps", "-o", "comm=", "-p", str(pid)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            timeout=DEFAULT_TIMEOUT)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return os.path.basename(ps.stdout.decode(errors="replace").strip()) or None
+
+
 def stdout_is_unix_socket():
     try:
         if not stat.S_ISSOCK(os.fstat(1).st_mode):
@@ -1254,19 +1320,17 @@ def main(argv=None):
         options = parse_command_line(sys.argv[1:] if argv is None else argv)
         if isinstance(options, str):
             return print_text(options)
-        if options.fdpass and not stdout_is_unix_socket():
-            raise UsageError("--fdpass needs stdout to be a unix socket: add "
-                             "'ProxyUseFdpass yes' to ssh_config, or drop --fdpass")
-        log = report if options.verbose else None
+        log = report if options.verbose else say_nothing
+        pass_socket = not options.check and hands_over(options.fdpass, log)
         sock = connect(options.target, timeout=options.timeout,
                        wait=options.wait, log=log)
         with sock:
             if options.check:
                 return 0
-            if options.fdpass:
+            if pass_socket:
                 pass_fd(sock, options.target)
                 return 0
-            relay(sock, options.target, log or say_nothing)
+            relay(sock, options.target, log)
             return 0
     except Error as exc:
         report(str(exc))

@@ -144,16 +144,6 @@ def test_connect_error_exception_carries_the_printed_message(tmp_path):
     assert caught.value.transient
 
 
-def test_fdpass_without_a_socket_on_stdout_says_proxyusefdpass_is_missing(tmp_path):
-    import subprocess
-    import sys
-    result = subprocess.run([sys.executable, vsock_proxy.__file__, "--fdpass", "unix/none"],
-                            capture_output=True, timeout=20)
-    assert result.returncode == 2
-    assert result.stderr == (b"vsock-proxy: --fdpass needs stdout to be a unix socket: add "
-                             b"'ProxyUseFdpass yes' to ssh_config, or drop --fdpass\n")
-
-
 def test_control_characters_from_paths_are_escaped():
     assert vsock_proxy.printable("a\x1b[31mb\n") == "a\\x1b[31mb\\n"
     assert vsock_proxy.printable(b"\x9b2J\x07ok") == "\\x9b2J\\x07ok"
