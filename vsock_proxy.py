@@ -83,7 +83,7 @@ examples:
       -o ProxyUseFdpass=yes unix/run/vm/ssh.sock
   echo hello | vsock-proxy unix/tmp/echo.sock
   vsock-proxy --check --wait 60 vsock-mux/run/firecracker.vsock && ssh ...
-  vsock-proxy --ssh-config > ~/.ssh/vsock-proxy.conf
+  mkdir -p ~/.ssh && vsock-proxy --ssh-config > ~/.ssh/vsock-proxy.conf
       then put "Include ~/.ssh/vsock-proxy.conf" at the top of ~/.ssh/config
 
 exit status: 0 success, 1 connection failure, 2 usage error.
@@ -1262,14 +1262,37 @@ def parse_command_line(args):
 
 
 def this_command():
-    """How ssh should run this very installation, for --ssh-config."""
+    """How ssh should run this very installation, for --ssh-config: by
+    absolute paths, never through PATH, which differs from user to user (a
+    pyenv shim, an older python3 first).  A program whose '#!' line names the
+    interpreter running now (pip's wrapper) runs as it is; otherwise (this
+    file, copied with its '#!/usr/bin/env python3' or run as
+    'python3 vsock_proxy.py') the interpreter running now is named."""
     import shlex
     program = os.path.abspath(sys.argv[0])
-    if program.endswith(".py"):
-        command = "%s %s" % (shlex.quote(sys.executable), shlex.quote(program))
-    else:
-        command = shlex.quote(program)
-    return command.replace("%", "%%")      # ssh expands %-tokens in it
+    command = [program]
+    if shebang_interpreter(program) != os.fsencode(sys.executable):
+        command.insert(0, sys.executable)
+    for path in command:
+        if any(c in "'\"\\" or not (c.isprintable() or is_undecodable_byte(c))
+               for c in path):
+            raise UsageError(
+                "--ssh-config: %s has a quote, a backslash or a control character "
+                "in its path, which an ssh_config line cannot carry; install "
+                "vsock-proxy (and Python) under a plainer path" % printable(path))
+    # ssh expands %-tokens in it.
+    return " ".join(map(shlex.quote, command)).replace("%", "%%")
+
+
+def shebang_interpreter(program):
+    """The interpreter program's '#!' line names, as bytes, or None."""
+    try:
+        with open(program, "rb") as file:
+            line = file.readline(4096)
+    except OSError:
+        return None
+    words = line[2:].split()
+    return words[0] if line.startswith(b"#!") and words else None
 
 
 def occupy_closed_stdio():
@@ -1302,7 +1325,9 @@ def print_text(text):
     try:
         if sys.stdout is None:         # fd 1 was closed when we started
             raise OSError(errno.EBADF, os.strerror(errno.EBADF))
-        sys.stdout.write(text)
+        # As bytes: an installation path need not be valid in the locale's
+        # encoding, and ssh wants the path's own bytes.
+        sys.stdout.buffer.write(os.fsencode(text))
         sys.stdout.flush()
     except BrokenPipeError:
         return 1
@@ -1316,6 +1341,12 @@ def main(argv=None):
     """Run the command; returns the exit status."""
     options = None
     occupy_closed_stdio()
+    if sys.version_info < (3, 9):
+        report("needs Python 3.9 or later, and %s is Python %s: run it as "
+               "'PYTHON %s' with a newer Python (--ssh-config, run that way, "
+               "prints a snippet that does)" % (
+                   sys.executable, sys.version.split()[0], os.path.abspath(sys.argv[0])))
+        return 2
     try:
         options = parse_command_line(sys.argv[1:] if argv is None else argv)
         if isinstance(options, str):
