@@ -1,6 +1,6 @@
 """Shared pytest harness for vsock-proxy.
 
-Three parts, each usable on its own:
+Four parts, each usable on its own:
 
 1. Running vsock-proxy from the checkout: ``ROOT``, ``PROXY_ARGV``, ``run_proxy()``,
    ``proxy_process()`` (a live child with bounded-wait stdin/stdout helpers),
@@ -12,6 +12,9 @@ Three parts, each usable on its own:
 3. A fake hybrid-vsock muxer, fixture ``muxer`` (a factory): speaks the
    ``CONNECT <port>\\n`` / ``OK <n>\\n`` handshake of Firecracker, Cloud Hypervisor
    and vhost-device-vsock, with their quirks and failure modes (NOTES.md section 3).
+4. Names for the test sshd as users write them: ``SHIPPED_SNIPPET``, ``slash_free()``
+   (``unix%tmp%vm%vm.sock``), fixture ``vm_socket`` (a short path to the sshd) and
+   ``require()`` (skip without a program).
 
 Only the standard library and pytest are used. Nothing here opens an AF_VSOCK
 connection: that must never happen on the development host (NOTES.md section 6).
@@ -1085,3 +1088,38 @@ def muxer(tmp_path_factory, request):
         m.stop()
         errors.extend(m.errors)
     assert not errors, f"fake muxer handler errors: {errors!r}"
+
+
+# --------------------------------------------------------------------------
+# 4. Names for the test sshd as users write them, and README.md's commands
+# --------------------------------------------------------------------------
+
+SHIPPED_SNIPPET = ROOT / "ssh_config.d" / "vsock-proxy.conf"
+
+
+def slash_free(kind, path):
+    """The spelling of KIND/PATH without '/' (scp, rsync and git take it for
+    a host name): 'unix%tmp%vm%vm.sock' for unix and /tmp/vm/vm.sock."""
+    assert "%" not in path, path
+    return "%s%%%s" % (kind, path.lstrip("/").replace("/", "%"))
+
+
+@pytest.fixture
+def vm_socket(sshd):
+    """A short path that leads to the test sshd (a symlink in a fresh
+    directory under /tmp): ControlPath %h and the names built from it stay
+    well below the 107 bytes AF_UNIX allows."""
+    import tempfile
+    directory = tempfile.mkdtemp(prefix="vm", dir="/tmp")
+    path = os.path.join(directory, "vm.sock")
+    os.symlink(sshd.socket_path, path)
+    yield path
+    shutil.rmtree(directory)
+
+
+def require(*programs):
+    """Skip (or, under VSOCK_PROXY_REQUIRE_SSHD=1, fail) without these programs."""
+    missing = [p for p in programs if shutil.which(p) is None]
+    if missing:
+        skip_or_fail("not installed: %s" % ", ".join(missing))
+
