@@ -14,7 +14,8 @@ Four parts, each usable on its own:
    and vhost-device-vsock, with their quirks and failure modes (NOTES.md section 3).
 4. Names for the test sshd as users write them: ``SHIPPED_SNIPPET``, ``slash_free()``
    (``unix%tmp%vm%vm.sock``), fixture ``vm_socket`` (a short path to the sshd) and
-   ``require()`` (skip without a program).
+   ``require()`` (skip without a program); and README.md's code blocks:
+   ``readme_blocks()``, ``readme_block()``, ``readme_commands()``.
 
 Only the standard library and pytest are used. Nothing here opens an AF_VSOCK
 connection: that must never happen on the development host (NOTES.md section 6).
@@ -1123,3 +1124,37 @@ def require(*programs):
     if missing:
         skip_or_fail("not installed: %s" % ", ".join(missing))
 
+
+README = ROOT / "README.md"
+# A fenced code block and the HTML comment on the line before it (the
+# reader does not see it): "<!-- run: ID -->", and a test runs the block
+# through readme_block("ID"); or "<!-- not run: REASON -->".
+README_BLOCK = re.compile(r"^(?:<!-- (run|not run): (.*?) -->\n)?```[^\n]*\n(.*?)^```$",
+                          re.M | re.S)
+
+
+def readme_blocks():
+    """[(line number, "run" | "not run" | None, ID or reason, body)] for
+    every fenced code block in README.md."""
+    text = README.read_text()
+    return [(text.count("\n", 0, m.start()) + 1, m.group(1), m.group(2), m.group(3))
+            for m in README_BLOCK.finditer(text)]
+
+
+def readme_block(block_id):
+    """The body of the README block marked <!-- run: block_id -->."""
+    bodies = [body for _, kind, value, body in readme_blocks()
+              if kind == "run" and value == block_id]
+    assert len(bodies) == 1, "README.md has %d blocks marked run: %s" % (len(bodies), block_id)
+    return bodies[0]
+
+
+def readme_commands(block_id):
+    """The commands of a README block, one per line, without blank lines and
+    comments (a '#' line, or '  # ...' after a command)."""
+    commands = []
+    for line in readme_block(block_id).splitlines():
+        command = line.split("  #")[0].strip()
+        if command and not command.startswith("#"):
+            commands.append(command)
+    return commands

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from conftest import (PROXY_ARGV, SHIPPED_SNIPPET, echo, require, run_cmd, serve_unix,
-                      sha256_until_eof, slash_free, unix_listener)
+from conftest import (PROXY_ARGV, SHIPPED_SNIPPET, echo, readme_commands, require, run_cmd,
+                      serve_unix, sha256_until_eof, slash_free, unix_listener)
 
 
 def snippet_config(sshd, extra=""):
@@ -253,15 +253,15 @@ def echo_through(sock, payload):
     return hasher.hexdigest()
 
 
-def test_socat_exec_forwards_a_local_port_to_the_guest(tmp_path):
-    """socat gives EXEC: one socketpair as stdin and stdout: vsock-proxy
-    relays on it, and passes the guest's EOF on with a shutdown."""
+def test_socat_exec_forwards_a_local_port_to_the_guest(tmp_path, vsock_proxy_on_path):
+    """The README's socat line.  socat gives EXEC: one socketpair as stdin and
+    stdout: vsock-proxy relays on it, and passes the guest's EOF on."""
     require("socat")
     guest = serve_unix(tmp_path, echo)
     port = free_tcp_port()
-    command = " ".join(map(shlex.quote, [*PROXY_ARGV, "unix" + guest]))
-    forward = subprocess.Popen(["socat", "TCP-LISTEN:%d,bind=127.0.0.1,reuseaddr,fork" % port,
-                                "EXEC:%s" % command], stderr=subprocess.PIPE)
+    [line] = readme_commands("port-forward-socat")
+    line = line.replace("8080", str(port)).replace("vsock/3 80", "unix" + guest)
+    forward = subprocess.Popen(shlex.split(line), stderr=subprocess.PIPE, env=vsock_proxy_on_path)
     try:
         payload = os.urandom(8 << 20)
         for _ in range(2):               # one connection after the other
