@@ -86,7 +86,7 @@ examples:
   mkdir -p ~/.ssh && vsock-proxy --ssh-config > ~/.ssh/vsock-proxy.conf
       then put "Include ~/.ssh/vsock-proxy.conf" at the top of ~/.ssh/config
 
-exit status: 0 success, 1 connection failure, 2 usage error.
+exit status: 0 every byte arrived, 1 connecting or delivering failed, 2 usage error.
 """
 
 # Host-key policy, stated once here and in the README: VM addresses are
