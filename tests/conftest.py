@@ -585,6 +585,40 @@ def _account_locked(user):
     return False
 
 
+def write_ssh_client_config(path, *, user, identity, known_hosts, extra=""):
+    """Write an ssh_config: the caller's text first, then generic defaults.
+
+    ssh_config keeps the first value it obtains for each option, so the
+    caller's Host blocks (ProxyCommand, ...) must come before ``Host *``,
+    and they can override any default below.
+    """
+    extra = textwrap.dedent(extra).strip("\n")
+    defaults = textwrap.dedent(f"""\
+        Host *
+            User {user}
+            IdentityFile "{identity}"
+            IdentitiesOnly yes
+            IdentityAgent none
+            BatchMode yes
+            PasswordAuthentication no
+            KbdInteractiveAuthentication no
+            StrictHostKeyChecking yes
+            UserKnownHostsFile "{known_hosts}"
+            GlobalKnownHostsFile /dev/null
+            UpdateHostKeys no
+            CheckHostIP no
+            ControlMaster no
+            ControlPath none
+            ForwardAgent no
+            ForwardX11 no
+            LogLevel ERROR
+            ConnectTimeout 20
+        """)
+    path = Path(path)
+    path.write_text(f"{extra}\n\n{defaults}" if extra else defaults)
+    return path
+
+
 class SshServer:
     """Throwaway OpenSSH server; see the ``sshd`` fixture."""
 
@@ -731,37 +765,9 @@ class SshServer:
     # -- client side --------------------------------------------------------
 
     def write_ssh_config(self, path, extra=""):
-        """Write an ssh_config: the caller's text first, then generic defaults.
-
-        ssh_config keeps the first value it obtains for each option, so the
-        caller's Host blocks (ProxyCommand, ...) must come before ``Host *``,
-        and they can override any default below.
-        """
-        extra = textwrap.dedent(extra).strip("\n")
-        defaults = textwrap.dedent(f"""\
-            Host *
-                User {self.user}
-                IdentityFile "{self.user_key}"
-                IdentitiesOnly yes
-                IdentityAgent none
-                BatchMode yes
-                PasswordAuthentication no
-                KbdInteractiveAuthentication no
-                StrictHostKeyChecking yes
-                UserKnownHostsFile "{self.known_hosts}"
-                GlobalKnownHostsFile /dev/null
-                UpdateHostKeys no
-                CheckHostIP no
-                ControlMaster no
-                ControlPath none
-                ForwardAgent no
-                ForwardX11 no
-                LogLevel ERROR
-                ConnectTimeout 20
-            """)
-        path = Path(path)
-        path.write_text(f"{extra}\n\n{defaults}" if extra else defaults)
-        return path
+        """write_ssh_client_config() with this server's user, key and known_hosts."""
+        return write_ssh_client_config(path, user=self.user, identity=self.user_key,
+                                       known_hosts=self.known_hosts, extra=extra)
 
     def ssh_config(self, extra="", path=None):
         """write_ssh_config() to a fresh file in the server directory (or path)."""
