@@ -410,6 +410,13 @@ def set_vsock_connect_timeout(sock, seconds):
 
 
 def vsock_connect_error(target, exc, timeout):
+    """A booting vhost-vsock guest gives, in this order (measured against a
+    real one, tests/test_guest.py): ENODEV until its VMM has opened the
+    vhost device and set the CID; ETIMEDOUT while firmware and kernel boot
+    (the request waits in the device's queue, so an attempt still waiting
+    when the guest's driver comes up ends early, with ECONNRESET);
+    ECONNRESET, at once, while nothing listens on the port.  A stopped VM
+    gives ENODEV at once.  ECONNREFUSED never came from a guest."""
     cid, port = target.address, target.port
     code = errno.ETIMEDOUT if isinstance(exc, socket.timeout) else exc.errno
     reason = describe_os_error(exc) if code != errno.ETIMEDOUT else \
@@ -901,6 +908,13 @@ def pass_fd(sock, target):
 #     hand (EPIPE, EIO, ENOSPC)
 #   silence, or a peer that never reads   wait: the conversation is not  -
 #                                         over while both sides hold it
+#
+# Against a real guest (vhost-vsock, tests/test_guest.py) a peer's half-close
+# and close look as on the loopback: no POLLHUP for its close while our side
+# is open.  A VM that disappears (its VMM killed) leaves what the loopback
+# never shows: the host resets the orphaned connection, poll says POLLERR
+# (never POLLHUP), reads fail with ECONNRESET and sends with EPIPE: exit 1,
+# "connection reset by the peer".
 #
 # Every read is forwarded at once: no MSG_MORE, no timers, no batching.
 
