@@ -933,9 +933,6 @@ ENDED = POLLHUP | POLLERR
 # vsock reports POLLHUP only once both sides have shut down: after the peer's
 # half-close, its full close wakes nobody, so we look every so often.
 PEER_CLOSE_PROBE_MS = 200
-# AF_UNIX resets a peer that closes with our bytes unread in its queue, after
-# we have read all it sent; vsock resets when the VM goes away.
-RESET = "connection reset by the peer (ECONNRESET): not all of stdin was read"
 
 
 class Pump:
@@ -1043,7 +1040,7 @@ def relay(sock, target, log):
                     ended = down.move(fd)
                 except OSError as exc:
                     if not is_end_of_stream(exc, down):
-                        raise download_failure(exc, down, target)
+                        raise download_failure(exc, down, sock, target)
                     ended = True
                 if ended:
                     down.wait = None
@@ -1131,10 +1128,10 @@ def upload_failure(exc, up):
     return "sending stdin to the peer: %s" % describe_os_error(exc)
 
 
-def download_failure(exc, down, target):
+def download_failure(exc, down, sock, target):
     """The Error for a failed down.move: the socket's side or stdout's."""
     if failed_reading(exc, down) and exc.errno == errno.ECONNRESET:
-        return Error("%s: %s" % (target, RESET))
+        return Error("%s: %s" % (target, reset_message(sock)))
     if failed_reading(exc, down):
         return Error("%s: receiving from the peer: %s" % (target, describe_os_error(exc)))
     if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.EIO):
@@ -1180,8 +1177,18 @@ def closed_with_bytes_unread(sock):
     """AF_UNIX marks a peer that closed with our bytes still in its receive
     queue with ECONNRESET (vsock has no such mark)."""
     if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == errno.ECONNRESET:
-        return RESET
+        return reset_message(sock)
     return None
+
+
+def reset_message(sock):
+    """What a reset means depends on the transport: AF_UNIX resets a peer
+    that closed with our bytes unread in its queue, and only after we have
+    read all it sent; vsock resets when the VM goes away, cutting both ways."""
+    if sock.family == socket.AF_UNIX:
+        return "connection reset by the peer (ECONNRESET): not all of stdin was read"
+    return ("connection reset by the peer (ECONNRESET): the VM stopped or "
+            "dropped the connection")
 
 
 def stdin_has_more(up):
