@@ -8,15 +8,15 @@ The data flows through this file top to bottom: parse the target, connect
 (one function per address kind), hand over or relay, report errors.
 
 Standard library only.  Start-up cost matters (ssh waits for the proxy on
-every login), so the top imports only what `import socket` loads anyway
-(errno, os, select, stat, sys) and the built-in time; everything else is
-imported where it is needed.
+every login), so the top imports only small built-in modules; everything
+else is imported where it is needed.  The command does without the socket
+module (see Socket); only the Python API's connect() imports it.
 """
 
 import errno
 import os
 import select
-import socket
+import _socket
 import stat
 import sys
 import time
@@ -186,7 +186,7 @@ def errno_name(exc):
 
 def describe_os_error(exc):
     """'Connection refused (ECONNREFUSED)', like systemd's '%m' plus the name."""
-    if isinstance(exc, socket.timeout) or exc.errno is None:
+    if isinstance(exc, _socket.timeout) or exc.errno is None:
         return str(exc) or type(exc).__name__
     return "%s (%s)" % (exc.strerror or os.strerror(exc.errno), errno_name(exc))
 
@@ -345,6 +345,22 @@ def parse_target(text, port=DEFAULT_PORT):
 # Connecting: one function per address kind
 # ---------------------------------------------------------------------------
 
+class Socket(_socket.socket):
+    """The command's sockets: _socket.socket, the built-in type that the
+    socket module's socket.socket extends, plus `with`.  `import socket`
+    costs 8-10 ms at every start (it imports selectors and builds enums), as
+    much as everything else the command does; connect() hands the Python
+    API a socket.socket over the same descriptor."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+
 def timeval(seconds):
     """struct timeval; any time above 0 stays above 0, because 0 means
     'forever' (to SO_SNDTIMEO), which is what FOREVER becomes."""
@@ -371,14 +387,14 @@ def set_deadline(sock, deadline):
 
 
 def connect_vsock(target, timeout):
-    family = getattr(socket, "AF_VSOCK", None)
+    family = getattr(_socket, "AF_VSOCK", None)
     if family is None:
         raise ConnectError(
             "%s: this system has no AF_VSOCK (%s); reach the VM through its "
             "VMM's socket instead: unix/PATH or vsock-mux/PATH"
             % (target, sys.platform))
     try:
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock = Socket(family, _socket.SOCK_STREAM)
     except OSError as exc:
         raise ConnectError(
             "%s: cannot create an AF_VSOCK socket: %s; is the vsock module "
@@ -404,8 +420,8 @@ def set_vsock_connect_timeout(sock, seconds):
     timeval, but Python's setsockopt on an AF_VSOCK socket only passes a
     64-bit integer (EINVAL); a socket object over a dup of the fd that
     believes it is AF_UNIX passes the bytes as they are."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM,
-                       fileno=os.dup(sock.fileno())) as same_socket:
+    with Socket(_socket.AF_UNIX, _socket.SOCK_STREAM,
+                fileno=os.dup(sock.fileno())) as same_socket:
         same_socket.setsockopt(sock.family, 6, timeval(seconds))
 
 
@@ -418,7 +434,7 @@ def vsock_connect_error(target, exc, timeout):
     ECONNRESET, at once, while nothing listens on the port.  A stopped VM
     gives ENODEV at once.  ECONNREFUSED never came from a guest."""
     cid, port = target.address, target.port
-    code = errno.ETIMEDOUT if isinstance(exc, socket.timeout) else exc.errno
+    code = errno.ETIMEDOUT if isinstance(exc, _socket.timeout) else exc.errno
     reason = describe_os_error(exc) if code != errno.ETIMEDOUT else \
         "no answer within %s (ETIMEDOUT)" % seconds_text(timeout)
     if code in (errno.ECONNRESET, errno.ECONNREFUSED):
@@ -452,15 +468,15 @@ def connect_unix(target, timeout):
 def open_unix_socket(path, timeout):
     """A connected, blocking AF_UNIX socket.  A listen backlog that stays
     full for timeout (a burst of connections) raises EAGAIN."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock = Socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
         # A blocking connect with SO_SNDTIMEO waits for room in a full listen
         # backlog; a non-blocking one fails at once with EAGAIN.  The option
         # is cleared again: it would also limit every later send, and ssh
         # inherits it with --fdpass.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(timeout))
+        sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_SNDTIMEO, timeval(timeout))
         sock.connect(path)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(0))
+        sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_SNDTIMEO, timeval(0))
         return sock
     except BaseException:
         sock.close()
@@ -575,13 +591,13 @@ def read_mux_reply(sock, target, timeout, deadline):
                                % (target, printable(line), len(line)))
         try:
             if time.monotonic() >= deadline:
-                raise socket.timeout()
+                raise _socket.timeout()
             set_deadline(sock, deadline)
-            peeked = sock.recv(MUX_REPLY_MAX - len(line), socket.MSG_PEEK)
+            peeked = sock.recv(MUX_REPLY_MAX - len(line), _socket.MSG_PEEK)
             if peeked:
                 newline = peeked.find(b"\n")
                 line += sock.recv(newline + 1 if newline >= 0 else len(peeked))
-        except socket.timeout:
+        except _socket.timeout:
             got = " after '%s'" % printable(line) if line else ""
             raise ConnectError(
                 "%s: no reply to CONNECT %d within %s%s: the guest's vsock "
@@ -632,7 +648,7 @@ def ask_machined(path, target, deadline):
         reply = b""
         while b"\0" not in reply:          # Varlink messages end with a NUL
             if time.monotonic() >= deadline:
-                raise socket.timeout()
+                raise _socket.timeout()
             set_deadline(sock, deadline)
             chunk = sock.recv(65536)
             if not chunk or len(reply) > 1 << 20:
@@ -663,7 +679,7 @@ def resolve_machine(target, deadline):
         path = os.path.join(runtime_dir, MACHINED_SOCKET)
         try:
             machine = ask_machined(path, target, deadline)
-        except socket.timeout:
+        except _socket.timeout:
             raise ConnectError("%s: systemd-machined at %s did not answer in time"
                                % (target, printable(path)), transient=True)
         except BlockingIOError:
@@ -727,7 +743,7 @@ def connect_once(target, timeout, log):
 
 def connect(target, port=DEFAULT_PORT, *, timeout=DEFAULT_TIMEOUT, wait=0.0,
             log=None):
-    """Connect to TARGET and return the connected, blocking socket.
+    """Connect to TARGET and return the connected, blocking socket.socket.
 
     TARGET is a string ('vsock/3', 'unix/run/vm.sock', 'vsock-mux/PATH',
     'machine/NAME', '.host'; bytes are decoded as os.fsdecode does) or a
@@ -745,6 +761,15 @@ def connect(target, port=DEFAULT_PORT, *, timeout=DEFAULT_TIMEOUT, wait=0.0,
     Raises UsageError for bad arguments, ConnectError if the target cannot
     be reached; the message is the line the command prints.
     """
+    import socket
+    sock = connect_target(target, port, timeout=timeout, wait=wait, log=log)
+    return socket.socket(fileno=sock.detach())
+
+
+def connect_target(target, port=DEFAULT_PORT, *, timeout=DEFAULT_TIMEOUT,
+                   wait=0.0, log=None):
+    """connect() for the command: the same connection as a Socket, without
+    importing the socket module."""
     timeout = seconds_argument("timeout", timeout, zero_allowed=False)
     wait = seconds_argument("wait", wait, zero_allowed=True)
     if not isinstance(target, Target):
@@ -827,11 +852,11 @@ def ssh_waits_for_a_socket():
 def peer_process_name(fd):
     """The name of the process at the other end of the unix socket fd (of a
     socketpair: the process that made it), or None where nothing says."""
-    with socket.socket(fileno=os.dup(fd)) as sock:
-        if sock.family != socket.AF_UNIX:
+    with Socket(fileno=os.dup(fd)) as sock:
+        if sock.family != _socket.AF_UNIX:
             return None
-        if hasattr(socket, "SO_PEERCRED"):             # Linux: pid, uid, gid
-            credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        if hasattr(_socket, "SO_PEERCRED"):            # Linux: pid, uid, gid
+            credentials = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12)
         elif sys.platform == "darwin":                 # SOL_LOCAL, LOCAL_PEERPID
             credentials = sock.getsockopt(0, 2, 4)
         else:
@@ -856,8 +881,8 @@ def stdout_is_unix_socket():
     try:
         if not stat.S_ISSOCK(os.fstat(1).st_mode):
             return False
-        with socket.socket(fileno=os.dup(1)) as out:
-            return out.family == socket.AF_UNIX
+        with Socket(fileno=os.dup(1)) as out:
+            return out.family == _socket.AF_UNIX
     except OSError:
         return False
 
@@ -865,9 +890,10 @@ def stdout_is_unix_socket():
 def pass_fd(sock, target):
     """Send the socket to ssh: one NUL data byte plus the fd (SCM_RIGHTS),
     exactly what ssh's mm_receive_fd expects."""
-    with socket.socket(fileno=os.dup(1)) as out:
+    fds = sock.fileno().to_bytes(4, sys.byteorder)     # a C int array of one
+    with Socket(fileno=os.dup(1)) as out:
         try:
-            socket.send_fds(out, [b"\0"], [sock.fileno()])
+            out.sendmsg([b"\0"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, fds)])
         except (BrokenPipeError, ConnectionResetError):
             raise ConnectError("%s: ssh went away before it took the "
                                "connection (EPIPE)" % target)
@@ -990,10 +1016,10 @@ def relay(sock, target, log):
     """Relay between stdin/stdout and sock until the conversation is over, as
     the table above says.  Raises Error when a byte could not be delivered."""
     sock.setblocking(False)
-    if sock.family == socket.AF_UNIX:
+    if sock.family == _socket.AF_UNIX:
         # A larger send buffer halves the wake-ups per megabyte uploaded
         # (measured: 1.9 -> 2.9 GB/s); the kernel caps it at wmem_max.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_SEND_BUFFER)
+        sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_SNDBUF, SOCKET_SEND_BUFFER)
     sock_fd = sock.fileno()
     pipes = [fd for fd in (0, 1) if can_splice(fd)]
     grow_pipes(pipes)
@@ -1147,8 +1173,8 @@ def end_stdout():
     closing fd 1 does not end the stream while fd 0 holds it: shut it down."""
     try:
         if stat.S_ISSOCK(os.fstat(1).st_mode):
-            with socket.socket(fileno=os.dup(1)) as out:
-                out.shutdown(socket.SHUT_WR)
+            with Socket(fileno=os.dup(1)) as out:
+                out.shutdown(_socket.SHUT_WR)
     except OSError:
         pass                   # its reader has gone already
     os.close(1)
@@ -1156,7 +1182,7 @@ def end_stdout():
 
 def stop_sending(sock):
     try:
-        sock.shutdown(socket.SHUT_WR)
+        sock.shutdown(_socket.SHUT_WR)
     except OSError:
         pass                   # the peer has gone already
 
@@ -1176,7 +1202,7 @@ def peer_has_closed(sock):
 def closed_with_bytes_unread(sock):
     """AF_UNIX marks a peer that closed with our bytes still in its receive
     queue with ECONNRESET (vsock has no such mark)."""
-    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == errno.ECONNRESET:
+    if sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_ERROR) == errno.ECONNRESET:
         return reset_message(sock)
     return None
 
@@ -1185,7 +1211,7 @@ def reset_message(sock):
     """What a reset means depends on the transport: AF_UNIX resets a peer
     that closed with our bytes unread in its queue, and only after we have
     read all it sent; vsock resets when the VM goes away, cutting both ways."""
-    if sock.family == socket.AF_UNIX:
+    if sock.family == _socket.AF_UNIX:
         return "connection reset by the peer (ECONNRESET): not all of stdin was read"
     return ("connection reset by the peer (ECONNRESET): the VM stopped or "
             "dropped the connection")
@@ -1210,7 +1236,7 @@ def stdin_has_more(up):
 
 def socket_has_more(sock):
     try:
-        return bool(sock.recv(1, socket.MSG_PEEK))
+        return bool(sock.recv(1, _socket.MSG_PEEK))
     except OSError:
         return False
 
@@ -1374,8 +1400,8 @@ def main(argv=None):
             return print_text(options)
         log = report if options.verbose else say_nothing
         pass_socket = not options.check and hands_over(options.fdpass, log)
-        sock = connect(options.target, timeout=options.timeout,
-                       wait=options.wait, log=log)
+        sock = connect_target(options.target, timeout=options.timeout,
+                              wait=options.wait, log=log)
         with sock:
             if options.check:
                 return 0

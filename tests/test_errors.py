@@ -6,6 +6,7 @@ connection (this machine may have no loopback transport, and then every CID
 goes to the real hypervisor); test_vsock.py checks them against a real kernel.
 """
 
+import _socket
 import errno
 import os
 import socket
@@ -49,7 +50,7 @@ def test_vsock_enodev_on_cid_1_points_to_the_loopback_module():
 
 
 def test_no_af_vsock_on_this_system_points_to_the_unix_forms(monkeypatch, capsys):
-    monkeypatch.delattr(socket, "AF_VSOCK", raising=False)
+    monkeypatch.delattr(_socket, "AF_VSOCK", raising=False)
     assert main(["vsock/3"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("vsock-proxy: vsock/3: this system has no AF_VSOCK")
@@ -57,14 +58,14 @@ def test_no_af_vsock_on_this_system_points_to_the_unix_forms(monkeypatch, capsys
 
 
 def test_af_vsock_socket_refused_by_the_kernel_says_to_load_the_module(monkeypatch, capsys):
-    real_socket = socket.socket
+    real_socket = vsock_proxy.Socket
 
     def no_vsock(family=-1, *args, **kwargs):
-        if family == getattr(socket, "AF_VSOCK", object()):
+        if family == getattr(_socket, "AF_VSOCK", object()):
             raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
         return real_socket(family, *args, **kwargs)
-    monkeypatch.setattr(socket, "AF_VSOCK", 40, raising=False)
-    monkeypatch.setattr(socket, "socket", no_vsock)
+    monkeypatch.setattr(_socket, "AF_VSOCK", 40, raising=False)
+    monkeypatch.setattr(vsock_proxy, "Socket", no_vsock)
     assert main(["vsock/3"]) == 1
     err = capsys.readouterr().err
     assert "cannot create an AF_VSOCK socket: Address family not supported by protocol " \
