@@ -268,7 +268,7 @@ def run_proxy_fixture():
 def vsock_proxy_bin_dir(tmp_path_factory):
     """A directory holding an executable ``vsock-proxy``.
 
-    The console script if it is installed next to this interpreter and runs
+    The launcher if pip installed it next to this interpreter and it runs
     the checkout's code (a copy installed before the last edit would test
     old code), else a shell wrapper that runs the checkout's vsock_proxy.py.
     """
