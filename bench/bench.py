@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Benchmark vsock-proxy's relay against socat and a direct socket, on this machine.
 
-    python3 bench/bench.py [--rounds N] [--size MiB] [--quick] [--proxy CMD] [--no-ssh] [--json FILE]
+    python3 bench/bench.py [--quick] [--only SECTIONS] [--rounds N] [--size MiB] [--pings N]
+                           [--start-ups N] [--logins N] [--proxy CMD] [--no-ssh] [--json FILE]
 
 A server process (this file run with --serve) listens on AF_UNIX sockets in a temporary
 directory: sink (counts uploaded bytes), source (sends bytes), echo, and an sshd -i per
@@ -10,12 +11,14 @@ stdout are two pipes -- with the target `unix/PATH`, and measured for:
 
   * upload / download throughput (bytes through the relay's stdin / stdout pipes),
   * CPU seconds per GB of the relay child (getrusage RUSAGE_CHILDREN delta around its reaping),
-  * 1-byte ping-pong round-trip time p50 / p99,
+  * 1-byte ping-pong round-trip time p50 / p99, unpinned and with everything on one CPU,
   * wall time of a short connection (spawn, connect, one echo line, exit),
+  * start-up per install route (`--check`) against its interpreter's `-c 'import _socket'`,
   * ssh login wall time through vsock-proxy (relay and --fdpass) and socat.
 
 Tools are interleaved round-robin inside each round (the machine is small and noisy), and the
-report gives medians, ratios and PASS/FAIL against the project's performance goals.
+report gives medians, ratios (also per round, paired) and PASS/FAIL against the project's
+performance goals.
 Standard library only.
 """
 
@@ -51,6 +54,10 @@ READY = b"R"                 # sink and source send this on accept, so timing st
 ECHO_LINE = b"ping\n"
 
 SINK, SOURCE, ECHO, SSHD = "sink.sock", "source.sock", "echo.sock", "sshd.sock"
+# What a run measures (--only picks some): throughput and CPU per GB, round trips (unpinned
+# and on one CPU), short connections (also the start-up CPU that CPU per GB leaves out),
+# start-up per install route, ssh logins.
+SECTIONS = ["transfer", "rtt", "short", "startup", "ssh"]
 CONNECT_TIMEOUT = 10         # seconds for a relay to start and connect (~0.1 s normally)
 GIVE_UP_AFTER = 2            # failures of one test and tool before its remaining runs are skipped
 
@@ -63,12 +70,15 @@ PY_CONNECTOR = (
     "sys.stdout.buffer.write(s.makefile('rb').readline())\n"
 )
 
+REFERENCE = "socat-b65536"   # the tool the goals compare against
+
 # Goals, as ratios of vsock-proxy to the reference (see main docstring / README).
 GOAL_THROUGHPUT_X = 2.0      # upload and download >= 2.0x socat -b 65536
 GOAL_CPU_X = 0.5             # CPU per GB <= 0.5x socat -b 65536
-GOAL_RTT_X = 1.1             # ping-pong p50 <= 1.1x socat -b 65536
+GOAL_RTT_X = 1.0             # ping-pong p50 (unpinned, paired per round) <= socat -b 65536's
 GOAL_SHORT_X = 1.3           # short connection <= 1.3x the stdlib Python connector
-GOAL_SSH_X = 1.0             # ssh login via --fdpass no slower than via socat
+GOAL_SSH_MS = 8.0            # ssh login via --fdpass (the snippet's way) <= socat's + 8 ms
+GOAL_START_UP_X = 1.25       # `--check` <= 1.25x its interpreter's `-c 'import _socket'`
 
 
 # --------------------------------------------------------------------------------------------
@@ -568,7 +578,12 @@ class Bench:
     # ---- latency ----------------------------------------------------------------------------
 
     def pingpong(self, tool):
-        """1-byte round trips through the relay to the echo server, after a warm-up."""
+        """1-byte round trips through the relay to the echo server, after a warm-up; the
+        bench, the server and the relay free to run on any CPU, as ssh, a proxy and a VM do."""
+        return self._pingpong(tool)
+
+    def pingpong_pinned(self, tool):
+        """The same with all three on one CPU, where placement noise is gone."""
         with one_cpu_for(self.server_pid):
             return self._pingpong(tool)
 
@@ -737,6 +752,101 @@ def percentile(sorted_values, q):
 
 
 # --------------------------------------------------------------------------------------------
+# Start-up per install route
+# --------------------------------------------------------------------------------------------
+
+LAUNCHER = os.path.join(ROOT, "vsock-proxy")
+FLOOR_CODE = "import _socket"    # the least a Python ProxyCommand does: start, load _socket
+
+
+def interpreter_of(program):
+    """The interpreter a script's '#!' line names (pip writes the venv's python there), or
+    None for a binary, a stand-in, or an '#!/usr/bin/env' line."""
+    try:
+        with open(program, "rb") as f:
+            first = f.readline(300)
+    except OSError:
+        return None
+    words = first[2:].decode(errors="replace").split() if first.startswith(b"#!") else []
+    return words[0] if words and "python" in os.path.basename(words[0]) else None
+
+
+def start_up_routes(proxy, proxy_ok):
+    """(key, label, command argv, its interpreter or None) per install route. Each command
+    runs as `... --check unix/PATH` against the echo socket: start, connect, close, exit. The
+    goal compares it with the same interpreter running `-c 'import _socket'`."""
+    routes = []
+    if proxy_ok and not is_template(proxy):
+        command = shlex.split(proxy) if proxy else DEFAULT_PROXY
+        if command == [INSTALLED]:
+            label = "pip (bin/vsock-proxy)"
+        else:
+            label = "vsock-proxy under test (`%s`)" % shlex.join(command)
+        interpreter = interpreter_of(command[0]) if len(command) == 1 else None
+        routes.append(("pip", label, command, interpreter))
+    routes.append(("launcher", "launcher beside vsock_proxy.py (byte code cached)",
+                   [sys.executable, LAUNCHER], sys.executable))
+    routes.append(("script", "vsock_proxy.py run as a script (the copied file)",
+                   [sys.executable, PROXY_SCRIPT], sys.executable))
+    return routes
+
+
+def floor_key(interpreter):
+    return "floor " + interpreter
+
+
+def run_start_up(routes, socket_path, runs, results, progress):
+    """Wall time from spawn to exit, every command and floor interleaved, order rotated."""
+    import py_compile
+    py_compile.compile(PROXY_SCRIPT, doraise=False)   # what an install does for the launcher
+    commands = [(key, command + ["--check", "unix/" + socket_path])
+                for key, _, command, _ in routes]
+    for interpreter in dict.fromkeys(i for _, _, _, i in routes if i):
+        commands.append((floor_key(interpreter), [interpreter, "-c", FLOOR_CODE]))
+    commands += [("socat", ["socat", "-u", "/dev/null", "UNIX-CONNECT:" + socket_path]),
+                 ("python -I -S", [sys.executable, "-I", "-S", "-c", FLOOR_CODE])]
+    for i in range(runs + 1):          # the first run of each only warms the caches
+        for key, argv in rotated(commands, i):
+            results.record("start-up", key, wall_ms, argv, keep=i > 0, round=i)
+    progress("start-up runs done")
+
+
+def wall_ms(argv):
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, timeout=10)
+    except subprocess.TimeoutExpired:
+        raise Failure("no exit within 10 s")
+    elapsed = (time.perf_counter() - start) * 1e3
+    if done.returncode != 0:
+        raise Failure("exit status %d: %s" % (done.returncode,
+                                              done.stderr.decode(errors="replace").strip()))
+    return {"wall_ms": elapsed}
+
+
+def start_up_ratios(routes, results):
+    """{route key: median over runs of (command / its interpreter's floor in the same run)}."""
+    return {key: results.paired_ratio("start-up", key, floor_key(interpreter), "wall_ms")
+            if interpreter else None for key, _, _, interpreter in routes}
+
+
+def start_up_table(routes, results, ratios):
+    median = lambda key: results.median("start-up", key, "wall_ms")
+    lines = ["| install route | `--check` ms | its interpreter's `-c 'import _socket'` ms | "
+             "ratio |", "|---|---:|---:|---:|"]
+    for key, label, _, interpreter in routes:
+        lines.append("| %s | %s | %s | %s |" % (
+            label, fmt(median(key), 1), fmt(median(floor_key(interpreter)), 1)
+            if interpreter else "—", "—" if ratios[key] is None else "%.2fx" % ratios[key]))
+    lines.append("| socat connecting (`socat -u /dev/null UNIX-CONNECT:...`) | %s | — | — |"
+                 % fmt(median("socat"), 1))
+    lines.append("| the bench's python `-I -S -c 'import _socket'` (no site) | — | %s | — |"
+                 % fmt(median("python -I -S"), 1))
+    return lines
+
+
+# --------------------------------------------------------------------------------------------
 # ssh login through a real sshd -i
 # --------------------------------------------------------------------------------------------
 
@@ -845,9 +955,9 @@ class Results:
         self.errors = {}
         self.skipped = {}
 
-    def record(self, section, key, func, *args, keep=True):
-        """Run func(*args); keep its result as a sample unless keep is False (warm-up runs,
-        whose errors still count)."""
+    def record(self, section, key, func, *args, keep=True, round=None):
+        """Run func(*args); keep its result as a sample (tagged with its round) unless keep
+        is False (warm-up runs, whose errors still count)."""
         if len(self.errors.get((section, key), ())) >= GIVE_UP_AFTER:
             self.skipped[(section, key)] = self.skipped.get((section, key), 0) + 1
             return None
@@ -857,6 +967,8 @@ class Results:
             self.errors.setdefault((section, key), []).append(str(e) or type(e).__name__)
             return None
         if keep:
+            if round is not None:
+                value["round"] = round
             self.samples.setdefault((section, key), []).append(value)
         return value
 
@@ -868,6 +980,26 @@ class Results:
         return [s[field] for s in self.samples.get((section, key), [])
                 if s.get(field) is not None]
 
+    def paired_ratio(self, section, key, reference, field):
+        """Median over rounds of key's value / reference's value in the same round. Rounds
+        move together (the machine's state, where the scheduler puts the processes: on a
+        2-core VM a relay's RTT p50 moves between ~30 and ~70 us from round to round, and
+        the other tools with it), so the ratio within a round is steadier than the ratio of
+        two medians."""
+        ref = {s["round"]: s[field] for s in self.samples.get((section, reference), ())
+               if s.get(field) is not None and "round" in s}
+        ratios = [s[field] / ref[s["round"]] for s in self.samples.get((section, key), ())
+                  if s.get(field) is not None and ref.get(s.get("round"))]
+        return statistics.median(ratios) if ratios else None
+
+    def paired_difference(self, section, key, reference, field):
+        """Median over rounds of key's value minus reference's value in the same round."""
+        ref = {s["round"]: s[field] for s in self.samples.get((section, reference), ())
+               if s.get(field) is not None and "round" in s}
+        differences = [s[field] - ref[s["round"]] for s in self.samples.get((section, key), ())
+                       if s.get(field) is not None and s.get("round") in ref]
+        return statistics.median(differences) if differences else None
+
 
 def rotated(items, round_index):
     """Round-robin start position, so no tool always runs first (or right after another)."""
@@ -875,30 +1007,35 @@ def rotated(items, round_index):
     return items[k:] + items[:k]
 
 
-def run_rounds(bench, tools, connector, rounds, short_reps, results, progress):
+def run_rounds(bench, tools, connector, rounds, short_reps, sections, results, progress):
+    """Each sample is tagged with its round, so that tools can be compared within a round."""
     for r in range(rounds):
         started = time.monotonic()
-        for tool in rotated(tools, r):
-            results.record("upload", tool.key, bench.upload, tool)
-        for tool in rotated(tools, r + 1):
-            results.record("download", tool.key, bench.download, tool)
-        for tool in rotated(tools, r + 2):
-            results.record("pingpong", tool.key, bench.pingpong, tool)
-        short_tools = tools + [connector]
-        for rep in range(short_reps):
-            for tool in rotated(short_tools, r + rep):
-                results.record("short", tool.key, bench.short_connection, tool,
-                               tool is connector)
+        tests = []
+        if "transfer" in sections:
+            tests += [("upload", bench.upload), ("download", bench.download)]
+        if "rtt" in sections:
+            tests += [("rtt", bench.pingpong), ("rtt-pinned", bench.pingpong_pinned)]
+        for offset, (section, test) in enumerate(tests):
+            for tool in rotated(tools, r + offset):
+                results.record(section, tool.key, test, tool, round=r)
+        if "short" in sections:
+            short_tools = tools + [connector]
+            for rep in range(short_reps):
+                for tool in rotated(short_tools, r + rep):
+                    results.record("short", tool.key, bench.short_connection, tool,
+                                   tool is connector, round=r)
         progress("round %d/%d done in %.1f s" % (r + 1, rounds, time.monotonic() - started))
 
 
-def warm_up(bench, tools, connector, results):
+def warm_up(bench, tools, connector, sections, results):
     """Page in binaries and the page cache before anything is recorded (samples discarded;
     a failure here already counts against that tool's test)."""
     small = Bench(bench.dir, min(bench.size, 4 * MiB), 100, bench.log_dir)
     for tool in tools:
-        results.record("upload", tool.key, small.upload, tool, keep=False)
-        results.record("download", tool.key, small.download, tool, keep=False)
+        if "transfer" in sections:
+            results.record("upload", tool.key, small.upload, tool, keep=False)
+            results.record("download", tool.key, small.download, tool, keep=False)
         results.record("short", tool.key, small.short_connection, tool, keep=False)
     results.record("short", connector.key, small.short_connection, connector, True, keep=False)
 
@@ -910,7 +1047,7 @@ def run_ssh(fixture, variants, socket_path, logins, results, log_dir, progress):
     for i in range(logins):
         for variant in rotated(variants, i):
             results.record("ssh", variant["key"], ssh_login, fixture, variant, socket_path,
-                           log_dir)
+                           log_dir, round=i)
     progress("ssh logins done")
 
 
@@ -920,7 +1057,8 @@ def ssh_variants(proxy_relay, proxy_fdpass, proxy_ok):
         variants.append({"key": "vsock-proxy", "label": "vsock-proxy (relay)",
                          "argv_for": proxy_relay, "fdpass": False})
         if proxy_fdpass:
-            variants.append({"key": "vsock-proxy-fdpass", "label": "vsock-proxy --fdpass",
+            variants.append({"key": "vsock-proxy-fdpass",
+                             "label": "vsock-proxy --fdpass (as the snippet runs it)",
                              "argv_for": proxy_fdpass, "fdpass": True})
     variants.append({"key": "socat", "label": "socat",
                      "argv_for": lambda p: ["socat", "-", "UNIX-CONNECT:" + p], "fdpass": False})
@@ -966,8 +1104,14 @@ def summarize(results, tools, connector):
             "startup_cpu_ms": fixed_ms,
             "upload_machine_busy": results.median("upload", k, "machine_busy"),
             "download_machine_busy": results.median("download", k, "machine_busy"),
-            "rtt_p50_us": results.median("pingpong", k, "rtt_p50_us"),
-            "rtt_p99_us": results.median("pingpong", k, "rtt_p99_us"),
+            "rtt_p50_us": results.median("rtt", k, "rtt_p50_us"),
+            "rtt_p99_us": results.median("rtt", k, "rtt_p99_us"),
+            "rtt_pinned_p50_us": results.median("rtt-pinned", k, "rtt_p50_us"),
+            "rtt_pinned_p99_us": results.median("rtt-pinned", k, "rtt_p99_us"),
+            # Paired: this tool / socat -b 65536 within each round, then the median.
+            "rtt_p50_x_socat_b65536": results.paired_ratio("rtt", k, REFERENCE, "rtt_p50_us"),
+            "rtt_pinned_p50_x_socat_b65536": results.paired_ratio("rtt-pinned", k, REFERENCE,
+                                                                  "rtt_p50_us"),
             "short_ms": results.median("short", k, "short_ms"),
         }
     return rows
@@ -989,6 +1133,7 @@ METRICS = [  # (field, header, digits, higher is better)
     ("startup_cpu_ms", "start+exit CPU ms", 1, False),
     ("rtt_p50_us", "RTT p50 µs", 1, False),
     ("rtt_p99_us", "RTT p99 µs", 1, False),
+    ("rtt_pinned_p50_us", "RTT p50 µs, 1 CPU", 1, False),
     ("short_ms", "short conn ms", 1, False),
 ]
 
@@ -1003,7 +1148,7 @@ def main_table(rows, order):
     return lines
 
 
-def ratio_table(rows, subject, references):
+def ratio_table(rows, results, subject, references):
     refs = [r for r in references if r in rows]
     lines = ["| metric (better) | " + " | ".join("%s / %s" % (rows[subject]["label"],
                                                              rows[r]["label"]) for r in refs) + " |",
@@ -1013,6 +1158,10 @@ def ratio_table(rows, subject, references):
                  ratio(rows[subject][field], rows[r][field]) is not None else "—" for r in refs]
         lines.append("| %s (%s) | %s |" % (header, "higher" if higher else "lower",
                                           " | ".join(cells)))
+    for section, header in (("rtt", "RTT p50"), ("rtt-pinned", "RTT p50, 1 CPU")):
+        cells = [results.paired_ratio(section, subject, r, "rtt_p50_us") for r in refs]
+        lines.append("| %s, median of per-round ratios (lower) | %s |" % (
+            header, " | ".join("—" if c is None else "%.2fx" % c for c in cells)))
     return lines
 
 
@@ -1031,15 +1180,19 @@ def percent(fraction):
 
 
 def ssh_table(results, variants):
-    lines = ["| ProxyCommand | login ms median | min | max | n |", "|---|---:|---:|---:|---:|"]
+    lines = ["| ProxyCommand | login ms median | − socat, per login | min | max | n |",
+             "|---|---:|---:|---:|---:|---:|"]
     lingering = []
     for v in variants:
         values = results.values("ssh", v["key"], "login_ms")
+        extra = results.paired_difference("ssh", v["key"], "socat", "login_ms")
         if values:
-            lines.append("| %s | %.1f | %.1f | %.1f | %d |" % (
-                v["label"], statistics.median(values), min(values), max(values), len(values)))
+            lines.append("| %s | %.1f | %s | %.1f | %.1f | %d |" % (
+                v["label"], statistics.median(values),
+                "—" if v["key"] == "socat" or extra is None else "%+.1f" % extra,
+                min(values), max(values), len(values)))
         else:
-            lines.append("| %s | — | — | — | 0 |" % v["label"])
+            lines.append("| %s | — | — | — | — | 0 |" % v["label"])
         lingered = sum(1 for s in results.samples.get(("ssh", v["key"]), ())
                        if s.get("proxy_lingered"))
         if lingered:
@@ -1050,8 +1203,9 @@ def ssh_table(results, variants):
     return lines
 
 
-def goals(rows, ssh_medians, fdpass_possible, ssh_ran):
-    """List of (status, text). status is PASS, FAIL or N/A (not measured)."""
+def goals(rows, results, start_up, fdpass_possible, ssh_ran):
+    """List of (status, text). status is PASS, FAIL or N/A (not measured). start_up is
+    [(label, ratio)] per install route."""
     p, s, c = rows.get("vsock-proxy"), rows["socat-b65536"], rows["python-connector"]
     checks = []
 
@@ -1073,15 +1227,30 @@ def goals(rows, ssh_medians, fdpass_possible, ssh_ran):
         check("%s CPU per GB <= %.1fx socat -b 65536" % (direction, GOAL_CPU_X),
               g(direction + "_cpu_per_gb"), s[direction + "_cpu_per_gb"], GOAL_CPU_X, False,
               "" if raw is None else " (start-up included: %.2fx)" % raw)
-    check("ping-pong RTT p50 <= %.1fx socat -b 65536" % GOAL_RTT_X,
-          g("rtt_p50_us"), s["rtt_p50_us"], GOAL_RTT_X, False)
+    rtt_x = g("rtt_p50_x_socat_b65536")
+    if rtt_x is None:
+        checks.append(("N/A", "ping-pong RTT p50, unpinned (not measured)"))
+    else:
+        checks.append(("PASS" if rtt_x <= GOAL_RTT_X else "FAIL",
+                       "ping-pong RTT p50, unpinned, <= %.1fx socat -b 65536 (per-round "
+                       "ratio): %.2fx" % (GOAL_RTT_X, rtt_x)))
     check("short connection <= %.1fx stdlib Python connector" % GOAL_SHORT_X,
           g("short_ms"), c["short_ms"], GOAL_SHORT_X, False)
-    if not ssh_ran or not fdpass_possible:
-        checks.append(("N/A", "ssh login via --fdpass <= via socat (not measured)"))
+    for label, value in start_up:
+        name = "start-up, %s, <= %.2fx its interpreter's -c 'import _socket'" % (
+            label, GOAL_START_UP_X)
+        if value is None:
+            checks.append(("N/A", "%s (not measured)" % name))
+        else:
+            checks.append(("PASS" if value <= GOAL_START_UP_X else "FAIL",
+                           "%s: %.2fx" % (name, value)))
+    name = "ssh login via --fdpass (the snippet's way) <= socat's + %.0f ms" % GOAL_SSH_MS
+    extra = results.paired_difference("ssh", "vsock-proxy-fdpass", "socat", "login_ms")
+    if not ssh_ran or not fdpass_possible or extra is None:
+        checks.append(("N/A", "%s (not measured)" % name))
     else:
-        check("ssh login via --fdpass <= via socat", ssh_medians.get("vsock-proxy-fdpass"),
-              ssh_medians.get("socat"), GOAL_SSH_X, False)
+        checks.append(("PASS" if extra <= GOAL_SSH_MS else "FAIL",
+                       "%s: %+.1f ms (median of per-login differences)" % (name, extra)))
     return checks
 
 
@@ -1126,13 +1295,17 @@ def start_up_ms(argv, runs=7):
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, metavar="N", help="interleaved rounds (default 15, quick 2)")
+    ap.add_argument("--rounds", type=int, metavar="N", help="interleaved rounds (default 10, quick 2)")
     ap.add_argument("--size", type=int, metavar="MiB", help="MiB per transfer (default 1024, quick 32)")
     ap.add_argument("--pings", type=int, metavar="N",
                     help="timed round trips per tool and round (default 2000, quick 500)")
     ap.add_argument("--short-reps", type=int, metavar="N",
-                    help="short connections per tool and round (default 4, quick 3)")
+                    help="short connections per tool and round (default 3, quick 2)")
+    ap.add_argument("--start-ups", type=int, metavar="N",
+                    help="start-up runs per install route (default 20, quick 5)")
     ap.add_argument("--logins", type=int, metavar="N", help="ssh logins per variant (default 20, quick 3)")
+    ap.add_argument("--only", metavar="SECTIONS",
+                    help="comma-separated subset of %s (default: all)" % ",".join(SECTIONS))
     ap.add_argument("--quick", action="store_true", help="small sizes and rounds, a smoke run")
     ap.add_argument("--proxy", metavar="CMD",
                     help="vsock-proxy command (default: %s); 'unix/PATH' is appended, or "
@@ -1144,14 +1317,22 @@ def parse_args(argv):
     ap.add_argument("--sshd", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     quick = args.quick
-    defaults = {"rounds": 2 if quick else 15, "size": 32 if quick else 1024,
-                "pings": 500 if quick else 2000, "short_reps": 3 if quick else 4,
-                "logins": 3 if quick else 20}
+    defaults = {"rounds": 2 if quick else 10, "size": 32 if quick else 1024,
+                "pings": 500 if quick else 2000, "short_reps": 2 if quick else 3,
+                "start_ups": 5 if quick else 20, "logins": 3 if quick else 20}
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if min(args.rounds, args.size, args.pings, args.short_reps) < 1 or args.logins < 0:
+    if min(args.rounds, args.size, args.pings, args.short_reps, args.start_ups) < 1 \
+            or args.logins < 0:
         ap.error("counts and sizes must be positive")
+    args.sections = SECTIONS if args.only is None else args.only.split(",")
+    unknown = set(args.sections) - set(SECTIONS)
+    if unknown:
+        ap.error("unknown section %s; the sections are %s" % (
+            ", ".join(sorted(unknown)), ", ".join(SECTIONS)))
+    if args.no_ssh or args.logins == 0:
+        args.sections = [name for name in args.sections if name != "ssh"]
     return args
 
 
@@ -1165,6 +1346,7 @@ def short_tempdir():
 
 def main(argv):
     args = parse_args(argv)
+    args.load_before = os.getloadavg()[0]
     if args.serve:
         run_server(args.serve, shlex.split(args.sshd) if args.sshd else None)
         return 0
@@ -1195,8 +1377,8 @@ def main(argv):
                          lambda path: [sys.executable, "-c", PY_CONNECTOR, path])
 
         fixture, ssh_note = None, None
-        if args.no_ssh or args.logins == 0:
-            ssh_note = "skipped (--no-ssh)"
+        if "ssh" not in args.sections:
+            ssh_note = "skipped (not among the sections run)"
         else:
             fixture = SshFixture(tmp)
             ssh_note = fixture.missing()
@@ -1208,8 +1390,12 @@ def main(argv):
         server = ServerProcess(tmp, fixture.sshd_argv() if fixture else None)
         bench = Bench(tmp, args.size * MiB, args.pings, log_dir, server.proc.pid)
         results = Results()
-        warm_up(bench, tools, connector, results)
-        run_rounds(bench, tools, connector, args.rounds, args.short_reps, results, progress)
+        warm_up(bench, tools, connector, args.sections, results)
+        run_rounds(bench, tools, connector, args.rounds, args.short_reps, args.sections,
+                   results, progress)
+        routes = start_up_routes(args.proxy, proxy_ok)
+        if "startup" in args.sections:
+            run_start_up(routes, os.path.join(tmp, ECHO), args.start_ups, results, progress)
 
         variants = ssh_variants(proxy_relay, proxy_fdpass, proxy_ok)
         if fixture:
@@ -1219,7 +1405,7 @@ def main(argv):
 
         report = build_report(args, command, results, tools, connector, variants, fixture,
                               ssh_note, proxy_ok, proxy_problem, proxy_fdpass is not None,
-                              elapsed)
+                              routes, elapsed)
         print("\n".join(report["lines"]))
         if args.json:
             with open(args.json, "w") as f:
@@ -1233,14 +1419,17 @@ def main(argv):
 
 
 def build_report(args, command, results, tools, connector, variants, fixture, ssh_note,
-                 proxy_ok, proxy_problem, fdpass_possible, elapsed):
+                 proxy_ok, proxy_problem, fdpass_possible, routes, elapsed):
     rows = summarize(results, tools, connector)
     order = [t.key for t in tools] + [connector.key]
     env = environment()
     lines = ["## vsock-proxy relay benchmark", "",
              "Command: `%s`" % command, "",
-             "Machine: Linux %s, %s CPUs, Python %s, %s, %s. Run took %.0f s." % (
-                 env["kernel"], env["cpus"], env["python"], env["socat"], env["ssh"], elapsed),
+             "Machine: Linux %s, %s CPUs, Python %s, %s, %s. Run took %.0f s; load "
+             "average %.2f at the start, %.2f at the end (other work on the machine moves "
+             "every figure: compare within one run)." % (
+                 env["kernel"], env["cpus"], env["python"], env["socat"], env["ssh"], elapsed,
+                 args.load_before, os.getloadavg()[0]),
              "",
              "Interpreter alone: `python -c pass` %s ms, `python -S -c pass` %s ms (wall)." % (
                  fmt(env["python_c_pass_ms"], 1), fmt(env["python_S_c_pass_ms"], 1)),
@@ -1248,9 +1437,11 @@ def build_report(args, command, results, tools, connector, variants, fixture, ss
              "Medians over %d interleaved rounds; %d MiB per transfer through the relay's "
              "stdin/stdout pipes to AF_UNIX sink/source sockets; CPU = relay child user+sys "
              "per 10^9 bytes, minus the same tool's start+exit CPU (its median over the short "
-             "connections); RTT = %d 1-byte round trips per round; short "
-             "conn = spawn, connect, one echo line, exit (%d per round). MB = 10^6 bytes."
-             % (args.rounds, args.size, args.pings, args.short_reps), ""]
+             "connections); RTT = %d 1-byte round trips per round, the bench, the echo "
+             "server and the relay free to run on any CPU, and again all on one CPU; short "
+             "conn = spawn, connect, one echo line, exit (%d per round). MB = 10^6 bytes. "
+             "Sections run: %s." % (args.rounds, args.size, args.pings, args.short_reps,
+                                    ", ".join(args.sections)), ""]
     if args.quick:
         lines += ["**Smoke run (--quick)**: transfers this small make CPU/GB (start-up is most "
                   "of the relay's CPU) and the ratios too noisy to judge the goals by.", ""]
@@ -1259,15 +1450,28 @@ def build_report(args, command, results, tools, connector, variants, fixture, ss
     if proxy_ok:
         lines.append("Ratios, vsock-proxy / other:")
         lines.append("")
-        lines += ratio_table(rows, "vsock-proxy", ["socat-b65536", "socat", "direct"])
+        lines += ratio_table(rows, results, "vsock-proxy", ["socat-b65536", "socat", "direct"])
         lines.append("")
     else:
         lines += ["vsock-proxy not measured: %s" % proxy_problem, ""]
 
+    start_up = []
+    if "startup" in args.sections:
+        ratios = start_up_ratios(routes, results)
+        start_up = [(label, ratios[key]) for key, label, _, _ in routes]
+        lines.append("Start-up per install route: wall ms from spawn to exit of `--check "
+                     "unix/PATH` against a listening socket, median of %d interleaved runs; "
+                     "ratio = median of the per-run ratios to the same interpreter's "
+                     "`-c 'import _socket'`:" % args.start_ups)
+        lines.append("")
+        lines += start_up_table(routes, results, ratios)
+        lines.append("")
+
     ssh_medians = {}
     lines.append("ssh login wall time (`ssh -F cfg -o ProxyCommand=... bench true`, per-"
-                 "connection `sshd -i` behind a unix socket, %d logins each, interleaved):"
-                 % args.logins)
+                 "connection `sshd -i` behind a unix socket, %d logins each, interleaved; "
+                 "− socat = median of the differences to the socat login of the same "
+                 "turn):" % args.logins)
     lines.append("")
     if fixture:
         lines += ssh_table(results, variants)
@@ -1298,14 +1502,15 @@ def build_report(args, command, results, tools, connector, variants, fixture, ss
                 errs[0]))
         lines.append("")
 
-    checks = goals(rows, ssh_medians, fdpass_possible, fixture is not None)
+    checks = goals(rows, results, start_up, fdpass_possible, fixture is not None)
     lines += ["### Goals", ""]
     lines += ["- %s %s" % (status, text) for status, text in checks]
 
     data = {
         "command": command, "environment": env, "seconds": elapsed,
         "options": {k: getattr(args, k) for k in ("rounds", "size", "pings", "short_reps",
-                                                  "logins", "proxy", "quick")},
+                                                  "start_ups", "logins", "proxy", "quick",
+                                                  "sections")},
         "medians": rows, "ssh_medians_ms": ssh_medians,
         "goals": [{"status": s, "goal": t} for s, t in checks],
         "samples": {"%s/%s" % k: v for k, v in results.samples.items()},
