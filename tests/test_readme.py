@@ -70,8 +70,8 @@ def can_make_a_mount_namespace():
 
 
 def test_install_for_every_user_works_verbatim(sshd, tmp_path):
-    """Run as root in a mount namespace of its own, where /usr/local/bin and
-    /etc/ssh/ssh_config.d are empty and only this test sees what it writes;
+    """Run as root in a mount namespace of its own, where /usr/local/bin,
+    /usr/local/lib and /etc/ssh/ssh_config.d are empty and only this test sees what it writes;
     then a user with a bare PATH and no vsock-proxy on it logs in."""
     if not can_make_a_mount_namespace():
         pytest.skip("needs root and unshare --mount")
@@ -80,6 +80,7 @@ def test_install_for_every_user_works_verbatim(sshd, tmp_path):
     user_ssh = os.path.join(pwd.getpwuid(os.getuid()).pw_dir, ".ssh")
     script = "\n".join([
         "mount -t tmpfs tmpfs /usr/local/bin",
+        "mount -t tmpfs tmpfs /usr/local/lib",
         "mount -t tmpfs tmpfs /etc/ssh/ssh_config.d",
         # a config of the user running the tests must not take part
         "if [ -d %s ]; then mount -t tmpfs tmpfs %s; fi" % (user_ssh, user_ssh),
