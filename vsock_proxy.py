@@ -9,12 +9,17 @@ The data flows through this file top to bottom: parse the target, connect
 
 Standard library only.  Start-up cost matters (ssh waits for the proxy on
 every login), so the top imports only small built-in modules; everything
-else is imported where it is needed.  The command does without the socket
-module (see Socket); only the Python API's connect() imports it.
+else is imported where it is needed.  The system calls come from posix, the
+built-in module that os wraps: importing os builds the collections ABCs,
+1.5-2 ms of the 11 ms a login waits for the proxy when Python runs without
+site, as the snippet runs it (see this_command); os is imported only where
+os.path or os.environ is needed, off the connection path.  Likewise the
+command does without the socket module (see Socket); only the Python API's
+connect() imports it.
 """
 
 import errno
-import os
+import posix
 import select
 import _socket
 import stat
@@ -102,7 +107,9 @@ SSH_CONFIG = """\
 # '%n', not %h: ssh lowercases %h, which breaks unix paths with capitals;
 # quoted, so that the name reaches vsock-proxy as typed (a '*' in it is not
 # a glob); "!*'*": a name with a quote in it (older ssh allows them) is none
-# of ours.
+# of ours.  The command: as shipped, vsock-proxy from PATH; as printed by
+# 'vsock-proxy --ssh-config', that installation's Python and directory, run
+# with -I -S (no site, no environment: ssh waits for it at every login).
 
 # VM addresses are reused by other VMs: do not pin their host keys, nor say
 # "Permanently added ..." into every scp and rsync (LogLevel ERROR; ssh -v
@@ -188,7 +195,7 @@ def describe_os_error(exc):
     """'Connection refused (ECONNREFUSED)', like systemd's '%m' plus the name."""
     if isinstance(exc, _socket.timeout) or exc.errno is None:
         return str(exc) or type(exc).__name__
-    return "%s (%s)" % (exc.strerror or os.strerror(exc.errno), errno_name(exc))
+    return "%s (%s)" % (exc.strerror or posix.strerror(exc.errno), errno_name(exc))
 
 
 # ---------------------------------------------------------------------------
@@ -283,7 +290,7 @@ def parse_socket_path(text, target):
         raise UsageError("%s: no socket path after the prefix, e.g. %s/run/vm.sock"
                          % (printable(target), target[:-1]))
     path = text if text.startswith(("/", "./")) else "/" + text
-    if len(os.fsencode(path)) > UNIX_PATH_MAX:
+    if len(fs_encode(path)) > UNIX_PATH_MAX:
         raise UsageError("%s: the socket path is longer than the %d bytes "
                          "AF_UNIX allows; use a shorter path, or run from its "
                          "directory with unix/./NAME" % (printable(target), UNIX_PATH_MAX))
@@ -295,6 +302,11 @@ def parse_machine_name(text, target):
         raise UsageError("%s: expected machine/NAME with a machine name as "
                          "'machinectl list' shows it" % printable(target))
     return text
+
+
+def fs_encode(text):
+    """os.fsencode, without os: the bytes a path or argument stands for."""
+    return text.encode(sys.getfilesystemencoding(), sys.getfilesystemencodeerrors())
 
 
 def is_undecodable_byte(char):
@@ -312,7 +324,7 @@ def parse_target(text, port=DEFAULT_PORT):
     """
     port = parse_port(port)
     if isinstance(text, bytes):
-        text = os.fsdecode(text)
+        text = text.decode(sys.getfilesystemencoding(), sys.getfilesystemencodeerrors())
     if not isinstance(text, str):
         raise UsageError("TARGET takes a str such as 'vsock/3', not %s" % shown(text))
     if not text:
@@ -421,7 +433,7 @@ def set_vsock_connect_timeout(sock, seconds):
     64-bit integer (EINVAL); a socket object over a dup of the fd that
     believes it is AF_UNIX passes the bytes as they are."""
     with Socket(_socket.AF_UNIX, _socket.SOCK_STREAM,
-                fileno=os.dup(sock.fileno())) as same_socket:
+                fileno=posix.dup(sock.fileno())) as same_socket:
         same_socket.setsockopt(sock.family, 6, timeval(seconds))
 
 
@@ -510,7 +522,7 @@ def unix_connect_error(target, exc, timeout):
 
 def is_socket_file(path):
     try:
-        return stat.S_ISSOCK(os.stat(path).st_mode)
+        return stat.S_ISSOCK(posix.stat(path).st_mode)
     except OSError:
         return True            # gone meanwhile: let ECONNREFUSED speak
 
@@ -537,6 +549,7 @@ def missing_path_hint(target):
 
 def path_in_other_case(path):
     """The existing path that equals `path` but for letter case, or None."""
+    import os
     found = "/" if path.startswith("/") else "."
     for name in path.split("/"):
         if not name or os.path.exists(os.path.join(found, name)):
@@ -627,10 +640,13 @@ MACHINED_SOCKET = "systemd/machine/io.systemd.Machine"
 
 
 def machined_runtime_dirs():
-    """Where systemd-machined's instances live, the user's first.
-    VSOCK_PROXY_RUN_DIR stands in for /run (tests serve a fake machined)."""
+    """Where systemd-machined's instances live, the user's first, each with
+    the path of its socket.  VSOCK_PROXY_RUN_DIR stands in for /run (tests
+    serve a fake machined)."""
+    import os
     user = os.environ.get("XDG_RUNTIME_DIR")
-    return ([user] if user else []) + [os.environ.get("VSOCK_PROXY_RUN_DIR", "/run")]
+    runtime_dirs = ([user] if user else []) + [os.environ.get("VSOCK_PROXY_RUN_DIR", "/run")]
+    return [(d, os.path.join(d, MACHINED_SOCKET)) for d in runtime_dirs]
 
 
 def ask_machined(path, target, deadline):
@@ -675,8 +691,7 @@ def resolve_machine(target, deadline):
     """machine/NAME -> the vsock/ or unix/ Target that reaches its sshd,
     asking the user's machined first, then the system's (as systemd does)."""
     answered = False
-    for runtime_dir in machined_runtime_dirs():
-        path = os.path.join(runtime_dir, MACHINED_SOCKET)
+    for runtime_dir, path in machined_runtime_dirs():
         try:
             machine = ask_machined(path, target, deadline)
         except _socket.timeout:
@@ -692,7 +707,7 @@ def resolve_machine(target, deadline):
         if machine is not None:
             return machine_address(target, machine, runtime_dir)
     if not answered:
-        sockets = [os.path.join(d, MACHINED_SOCKET) for d in machined_runtime_dirs()]
+        sockets = [path for _, path in machined_runtime_dirs()]
         raise ConnectError("%s: systemd-machined is not running (no answer on %s)"
                            % (target, " or ".join(map(printable, sockets))))
     raise ConnectError("%s: systemd-machined knows no machine %s (see "
@@ -716,6 +731,7 @@ def machine_address(target, machine, runtime_dir):
             resolved.text = "%s (%s)" % (target.text, address)
             return resolved
     if machine.get("class") == "container" and machine.get("service") == "systemd-nspawn":
+        import os
         path = os.path.join(runtime_dir, "systemd/nspawn/unix-export",
                             target.address, "ssh")
         return Target("unix", path, None, "%s (unix%s)" % (target.text, path))
@@ -840,19 +856,22 @@ def ssh_waits_for_a_socket():
     both stdin and stdout, and waits for a descriptor on it.  socat EXEC:,
     inetd and systemd's Accept=yes give one socket for both too, so the shape
     alone does not tell: the process at the other end must be ssh."""
+    return same_open_file(0, 1) and stdout_is_unix_socket() and peer_process_name(1) == "ssh"
+
+
+def same_open_file(fd, other):
+    """Are fd and other one file (one socket given as both stdin and stdout)?"""
     try:
-        stdin, stdout = os.fstat(0), os.fstat(1)
+        a, b = posix.fstat(fd), posix.fstat(other)
     except OSError:
         return False
-    return (stat.S_ISSOCK(stdout.st_mode)
-            and (stdin.st_dev, stdin.st_ino) == (stdout.st_dev, stdout.st_ino)
-            and peer_process_name(1) == "ssh")
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def peer_process_name(fd):
     """The name of the process at the other end of the unix socket fd (of a
     socketpair: the process that made it), or None where nothing says."""
-    with Socket(fileno=os.dup(fd)) as sock:
+    with Socket(fileno=posix.dup(fd)) as sock:
         if sock.family != _socket.AF_UNIX:
             return None
         if hasattr(_socket, "SO_PEERCRED"):            # Linux: pid, uid, gid
@@ -867,6 +886,7 @@ def peer_process_name(fd):
             return comm.read().rstrip("\n")
     except OSError:
         pass                    # no /proc (macOS): ask ps
+    import os
     import subprocess
     try:
         ps = subprocess.run(["ps", "-o", "comm=", "-p", str(pid)],
@@ -879,9 +899,9 @@ def peer_process_name(fd):
 
 def stdout_is_unix_socket():
     try:
-        if not stat.S_ISSOCK(os.fstat(1).st_mode):
+        if not stat.S_ISSOCK(posix.fstat(1).st_mode):
             return False
-        with Socket(fileno=os.dup(1)) as out:
+        with Socket(fileno=posix.dup(1)) as out:
             return out.family == _socket.AF_UNIX
     except OSError:
         return False
@@ -891,7 +911,7 @@ def pass_fd(sock, target):
     """Send the socket to ssh: one NUL data byte plus the fd (SCM_RIGHTS),
     exactly what ssh's mm_receive_fd expects."""
     fds = sock.fileno().to_bytes(4, sys.byteorder)     # a C int array of one
-    with Socket(fileno=os.dup(1)) as out:
+    with Socket(fileno=posix.dup(1)) as out:
         try:
             out.sendmsg([b"\0"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, fds)])
         except (BrokenPipeError, ConnectionResetError):
@@ -959,6 +979,7 @@ ENDED = POLLHUP | POLLERR
 # vsock reports POLLHUP only once both sides have shut down: after the peer's
 # half-close, its full close wakes nobody, so we look every so often.
 PEER_CLOSE_PROBE_MS = 200
+STDOUT_GONE = "stdout's reader went away before the peer's data was written"
 
 
 class Pump:
@@ -983,8 +1004,8 @@ class Pump:
         go.  O_NONBLOCK is never set on stdin or stdout: the flag is shared
         with the process that gave them to us."""
         try:
-            moved = os.splice(self.src, self.dst, SPLICE_CHUNK,
-                              flags=os.SPLICE_F_NONBLOCK)
+            moved = posix.splice(self.src, self.dst, SPLICE_CHUNK,
+                              flags=posix.SPLICE_F_NONBLOCK)
         except BlockingIOError:
             # We came because one end was ready; the other one is not.
             self.wait = self.writing if ready_fd == self.src else self.reading
@@ -998,13 +1019,13 @@ class Pump:
         those over) means "not now": wait for that end, never "the end"."""
         if not self.pending:
             try:
-                self.pending = os.read(self.src, COPY_CHUNK)
+                self.pending = posix.read(self.src, COPY_CHUNK)
             except BlockingIOError:
                 return False
             if not self.pending:
                 return True
         try:
-            written = os.write(self.dst, self.pending)
+            written = posix.write(self.dst, self.pending)
         except BlockingIOError:
             written = 0
         self.pending = self.pending[written:]
@@ -1025,6 +1046,7 @@ def relay(sock, target, log):
     grow_pipes(pipes)
     up = Pump(0, sock_fd, 0 in pipes)
     down = Pump(sock_fd, 1, 1 in pipes)
+    stdin_is_stdout = same_open_file(0, 1)   # fd 1 is closed once down ends
     log(relay_method(up, down))
     up_lost = None           # why stdin could not all be delivered
     stdout_gone = peer_closed = False
@@ -1055,6 +1077,8 @@ def relay(sock, target, log):
                 try:
                     ended = up.move(fd)
                 except OSError as exc:
+                    if reset_by_stdouts_reader(exc, up, stdin_is_stdout):
+                        raise Error("%s: %s (ECONNRESET)" % (target, STDOUT_GONE))
                     if not is_end_of_stream(exc, up):
                         up_lost = upload_failure(exc, up)
                     ended = True
@@ -1079,13 +1103,12 @@ def relay(sock, target, log):
     if up_lost:
         raise Error("%s: %s" % (target, up_lost))
     if stdout_gone and socket_has_more(sock):
-        raise Error("%s: stdout's reader went away before the peer's data "
-                    "was written" % target)
+        raise Error("%s: %s" % (target, STDOUT_GONE))
 
 
 def can_splice(fd):
     try:
-        return hasattr(os, "splice") and stat.S_ISFIFO(os.fstat(fd).st_mode)
+        return hasattr(posix, "splice") and stat.S_ISFIFO(posix.fstat(fd).st_mode)
     except OSError:
         return False
 
@@ -1144,6 +1167,14 @@ def is_end_of_stream(exc, pump):
     return exc.errno in (errno.EIO, errno.ENOTCONN) and failed_reading(exc, pump)
 
 
+def reset_by_stdouts_reader(exc, up, stdin_is_stdout):
+    """ECONNRESET reading stdin: only a socket that is stdout too (one socket
+    for both: socat EXEC:, inetd) is reset under our reads, by a reader that
+    closed it with bytes we wrote still unread.  Whatever it sent had been
+    read by then (AF_UNIX reports the reset after the queued bytes)."""
+    return stdin_is_stdout and failed_reading(exc, up) and exc.errno == errno.ECONNRESET
+
+
 def upload_failure(exc, up):
     """Why the rest of stdin cannot be delivered, from a failed up.move."""
     if failed_reading(exc, up):
@@ -1161,8 +1192,7 @@ def download_failure(exc, down, sock, target):
     if failed_reading(exc, down):
         return Error("%s: receiving from the peer: %s" % (target, describe_os_error(exc)))
     if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.EIO):
-        return Error("%s: stdout's reader went away before the peer's data "
-                     "was written (%s)" % (target, errno_name(exc)))
+        return Error("%s: %s (%s)" % (target, STDOUT_GONE, errno_name(exc)))
     return Error("%s: writing the peer's data to stdout: %s"
                  % (target, describe_os_error(exc)))
 
@@ -1172,12 +1202,12 @@ def end_stdout():
     stdin and stdout both: inetd, systemd's Accept=yes, socat EXEC:),
     closing fd 1 does not end the stream while fd 0 holds it: shut it down."""
     try:
-        if stat.S_ISSOCK(os.fstat(1).st_mode):
-            with Socket(fileno=os.dup(1)) as out:
+        if stat.S_ISSOCK(posix.fstat(1).st_mode):
+            with Socket(fileno=posix.dup(1)) as out:
                 out.shutdown(_socket.SHUT_WR)
     except OSError:
         pass                   # its reader has gone already
-    os.close(1)
+    posix.close(1)
 
 
 def stop_sending(sock):
@@ -1229,7 +1259,7 @@ def stdin_has_more(up):
     if not poller.poll(0):
         return False
     try:
-        return bool(os.read(0, 1))
+        return bool(posix.read(0, 1))
     except OSError:
         return False
 
@@ -1308,19 +1338,37 @@ def parse_command_line(args):
     return options
 
 
+# How the snippet's ProxyCommand loads this file when it is importable: the
+# directory named after the code goes on sys.path after the standard
+# library, where site would put it (-I keeps the working directory and
+# PYTHONPATH off it).
+IMPORT_AND_RUN = ("import sys; sys.path.append(sys.argv.pop(1)); "
+                  "from vsock_proxy import run; run()")
+
+
 def this_command():
-    """How ssh should run this very installation, for --ssh-config: by
-    absolute paths, never through PATH, which differs from user to user (a
-    pyenv shim, an older python3 first).  A program whose '#!' line names the
-    interpreter running now (pip's wrapper) runs as it is; otherwise (this
-    file, copied with its '#!/usr/bin/env python3' or run as
-    'python3 vsock_proxy.py') the interpreter running now is named."""
+    """How ssh should run this very installation, for --ssh-config.
+
+    By absolute paths, never through PATH, which differs from user to user
+    (a pyenv shim, an older python3 first): the Python running now, with -I
+    -S.  ssh waits for the proxy at every login, and site's work (the
+    site-packages directories, their .pth files) is a quarter of what
+    Python spends before the first line of this file; isolated (-I), no
+    PYTHON* variable and no vsock_proxy.py in ssh's working directory can
+    change what runs.  Nothing here needs site: this file is imported from
+    its own directory, with the byte code that pip or the README's install
+    compiled there, or, when it is not named vsock_proxy.py (a copy named
+    bin/vsock-proxy), run as a script, which Python compiles at every
+    start."""
+    import os
     import shlex
-    program = os.path.abspath(sys.argv[0])
-    command = [program]
-    if shebang_interpreter(program) != os.fsencode(sys.executable):
-        command.insert(0, sys.executable)
-    for path in command:
+    module = os.path.abspath(__file__)
+    directory, name = os.path.split(module)
+    if name == "vsock_proxy.py":
+        command = [sys.executable, "-I", "-S", "-c", IMPORT_AND_RUN, directory]
+    else:
+        command = [sys.executable, "-I", "-S", module]
+    for path in (sys.executable, module):
         if any(c in "'\"\\" or not (c.isprintable() or is_undecodable_byte(c))
                for c in path):
             raise UsageError(
@@ -1331,26 +1379,15 @@ def this_command():
     return " ".join(map(shlex.quote, command)).replace("%", "%%")
 
 
-def shebang_interpreter(program):
-    """The interpreter program's '#!' line names, as bytes, or None."""
-    try:
-        with open(program, "rb") as file:
-            line = file.readline(4096)
-    except OSError:
-        return None
-    words = line[2:].split()
-    return words[0] if line.startswith(b"#!") and words else None
-
-
 def occupy_closed_stdio():
     """If fd 0, 1 or 2 was closed when we were started, the next socket would
     take its number: stdin would read our own socket, stdout would send the
     peer's bytes back to it.  /dev/null stands in for the missing ones."""
     for fd in (0, 1, 2):
         try:
-            os.fstat(fd)
+            posix.fstat(fd)
         except OSError:
-            os.open(os.devnull, os.O_RDWR)     # the lowest free number: fd
+            posix.open("/dev/null", posix.O_RDWR)     # the lowest free number: fd
 
 
 def report(message):
@@ -1371,10 +1408,10 @@ def print_text(text):
     full disk, /dev/full, a closed stdout) is one line."""
     try:
         if sys.stdout is None:         # fd 1 was closed when we started
-            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+            raise OSError(errno.EBADF, posix.strerror(errno.EBADF))
         # As bytes: an installation path need not be valid in the locale's
         # encoding, and ssh wants the path's own bytes.
-        sys.stdout.buffer.write(os.fsencode(text))
+        sys.stdout.buffer.write(fs_encode(text))
         sys.stdout.flush()
     except BrokenPipeError:
         return 1
@@ -1389,6 +1426,7 @@ def main(argv=None):
     options = None
     occupy_closed_stdio()
     if sys.version_info < (3, 9):
+        import os
         report("needs Python 3.9 or later, and %s is Python %s: run it as "
                "'PYTHON %s' with a newer Python (--ssh-config, run that way, "
                "prints a snippet that does)" % (
@@ -1438,7 +1476,7 @@ def run():
                 stream.flush()
         except (OSError, ValueError):
             pass
-    os._exit(status)
+    posix._exit(status)
 
 
 if __name__ == "__main__":

@@ -264,19 +264,35 @@ def run_proxy_fixture():
     return run_proxy
 
 
+class PipInstalled:
+    """What pip installed beside this interpreter: the launcher in bin/ and
+    vsock_proxy.py in site-packages."""
+    command = Path(sys.executable).parent / "vsock-proxy"
+    module = Path(sysconfig.get_paths()["purelib"]) / "vsock_proxy.py"
+
+    @classmethod
+    def is_current(cls):
+        """Installed, and the checkout's code (a copy installed before the
+        last edit would test old code)."""
+        return (cls.command.exists() and cls.module.exists()
+                and cls.module.read_bytes() == PROXY_SCRIPT.read_bytes())
+
+
+@pytest.fixture
+def pip_installed():
+    if not PipInstalled.is_current():
+        pytest.skip("vsock-proxy is not pip-installed from this checkout beside %s "
+                    "(.ci/run installs it)" % sys.executable)
+    return PipInstalled
+
+
 @pytest.fixture(scope="session")
 def vsock_proxy_bin_dir(tmp_path_factory):
-    """A directory holding an executable ``vsock-proxy``.
-
-    The launcher if pip installed it next to this interpreter and it runs
-    the checkout's code (a copy installed before the last edit would test
-    old code), else a shell wrapper that runs the checkout's vsock_proxy.py.
-    """
-    installed = Path(sys.executable).parent / "vsock-proxy"
-    installed_module = Path(sysconfig.get_paths()["purelib"]) / "vsock_proxy.py"
-    if (installed.exists() and installed_module.exists()
-            and installed_module.read_bytes() == PROXY_SCRIPT.read_bytes()):
-        return installed.parent
+    """A directory holding an executable ``vsock-proxy``: the launcher if pip
+    installed the checkout's code beside this interpreter, else a shell
+    wrapper that runs the checkout's vsock_proxy.py."""
+    if PipInstalled.is_current():
+        return PipInstalled.command.parent
     bindir = tmp_path_factory.mktemp("bin")
     wrapper = bindir / "vsock-proxy"
     wrapper.write_text("#!/bin/sh\nexec {} {} \"$@\"\n".format(

@@ -19,10 +19,10 @@ import time
 
 from conftest import PROXY_ARGV, PROXY_SCRIPT, StdioProcess
 
-# Python 3.10+ on Linux splices pipes; with os.splice taken away the same
+# Python 3.10+ on Linux splices pipes; with posix.splice (os.splice) taken away the same
 # program takes its read/write path (the one macOS and Python 3.9 take).
 WITHOUT_SPLICE = [sys.executable, "-c",
-                  "import os, runpy, sys; os.__dict__.pop('splice', None); "
+                  "import posix, runpy, sys; posix.__dict__.pop('splice', None); "
                   "sys.argv[0] = sys.argv[1]; del sys.argv[1]; "
                   "runpy.run_path(sys.argv[0], run_name='__main__')",
                   str(PROXY_SCRIPT)]
@@ -34,7 +34,7 @@ HOLD = 1.0 * SLOWDOWN               # how long a peer that waits holds the conne
 
 UPLOAD_LOST = (r"the peer closed the connection before it took all of stdin( \(EPIPE\))?"
                r"|connection reset by the peer \(ECONNRESET\): not all of stdin was read")
-STDOUT_GONE = r"stdout's reader went away before the peer's data was written( \((EPIPE|EIO)\))?"
+STDOUT_GONE = r"stdout's reader went away before the peer's data was written( \((EPIPE|EIO|ECONNRESET)\))?"
 
 
 def relay_cases():

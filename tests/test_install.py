@@ -5,26 +5,26 @@ than 3.9 says so in one line."""
 
 import glob
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
 
 import pytest
 
+import vsock_proxy
 from conftest import PROXY_SCRIPT, run_cmd
 
 BARE_PATH = "/usr/bin:/bin"       # no vsock-proxy, no pyenv shim
 
 
-def copy_of_the_file(directory, shebang=None):
-    """vsock_proxy.py copied to directory/vsock-proxy, as the README's
-    system-wide install does, optionally with another '#!' line."""
+def copy_of_the_file(directory, name="vsock-proxy"):
+    """vsock_proxy.py copied to directory/name: as a command (vsock-proxy,
+    run as a script) or as an importable module (vsock_proxy.py)."""
     directory.mkdir(parents=True, exist_ok=True)
-    program = directory / "vsock-proxy"
-    text = PROXY_SCRIPT.read_text()
-    if shebang:
-        text = shebang + "\n" + text.split("\n", 1)[1]
-    program.write_text(text)
+    program = directory / name
+    program.write_bytes(PROXY_SCRIPT.read_bytes())
     program.chmod(0o755)
     return program
 
@@ -33,7 +33,14 @@ def proxy_command(snippet):
     return snippet.split("ProxyCommand ")[1].split(" --fdpass")[0]
 
 
-def test_snippet_of_a_file_run_through_env_names_the_interpreter(sshd, tmp_path):
+def imported_from(directory):
+    """The snippet's command for an importable vsock_proxy.py in directory."""
+    return "%s -I -S -c %s %s" % (sys.executable, shlex.quote(vsock_proxy.IMPORT_AND_RUN),
+                                  directory)
+
+
+def test_snippet_of_a_copied_command_runs_it_as_a_script_with_the_python_that_printed_it(
+        sshd, tmp_path):
     """'#!/usr/bin/env python3' is each user's first python3 (a pyenv shim,
     an older one): the snippet names the one that printed it."""
     program = copy_of_the_file(tmp_path / "bin")
@@ -41,18 +48,59 @@ def test_snippet_of_a_file_run_through_env_names_the_interpreter(sshd, tmp_path)
     assert printed.returncode == 0, printed.stderr
     snippet = tmp_path / "vsock-proxy.conf"
     snippet.write_bytes(printed.stdout)
-    assert proxy_command(snippet.read_text()) == "%s %s" % (sys.executable, program)
+    assert proxy_command(snippet.read_text()) == "%s -I -S %s" % (sys.executable, program)
     result = sshd.ssh("unix" + sshd.socket_path, "echo anywhere",
                       config=sshd.ssh_config("Include %s\n" % snippet),
                       env=dict(os.environ, PATH=BARE_PATH))
     assert (result.returncode, result.stdout) == (0, b"anywhere\n"), result.stderr
 
 
-def test_snippet_of_a_program_whose_shebang_names_this_interpreter_runs_it_as_is(tmp_path):
-    """pip's wrapper names its venv's Python in its '#!' line."""
-    program = copy_of_the_file(tmp_path / "bin", shebang="#!" + sys.executable)
-    printed = run_cmd([program, "--ssh-config"])
-    assert proxy_command(printed.stdout.decode()) == str(program)
+def test_snippet_of_an_importable_module_imports_it_from_its_directory(sshd, tmp_path):
+    module = copy_of_the_file(tmp_path / "lib", "vsock_proxy.py")
+    printed = run_cmd([sys.executable, module, "--ssh-config"])
+    assert printed.returncode == 0, printed.stderr
+    assert proxy_command(printed.stdout.decode()) == imported_from(module.parent)
+    snippet = tmp_path / "vsock-proxy.conf"
+    snippet.write_bytes(printed.stdout)
+    result = sshd.ssh("unix" + sshd.socket_path, "echo imported",
+                      config=sshd.ssh_config("Include %s\n" % snippet),
+                      env=dict(os.environ, PATH=BARE_PATH))
+    assert (result.returncode, result.stdout) == (0, b"imported\n"), result.stderr
+
+
+def test_snippet_command_is_not_swayed_by_the_working_directory_or_python_variables(
+        sshd, tmp_path, monkeypatch):
+    """ssh runs the proxy in the user's working directory (a cloned
+    repository, say) and environment: a vsock_proxy.py there, PYTHONPATH,
+    PYTHONSTARTUP or PYTHONSAFEPATH must not change what runs."""
+    printed = run_cmd([sys.executable, PROXY_SCRIPT, "--ssh-config"])
+    snippet = tmp_path / "vsock-proxy.conf"
+    snippet.write_bytes(printed.stdout)
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    for name in ("vsock_proxy.py", "sitecustomize.py", "startup.py"):
+        (planted / name).write_text("raise SystemExit('planted %s ran')\n" % name)
+    monkeypatch.chdir(planted)
+    env = dict(os.environ, PATH=BARE_PATH, PYTHONPATH=str(planted), PYTHONSAFEPATH="1",
+               PYTHONSTARTUP=str(planted / "startup.py"), PYTHONHOME=str(planted))
+    result = sshd.ssh("unix" + sshd.socket_path, "echo untouched",
+                      config=sshd.ssh_config("Include %s\n" % snippet), env=env)
+    assert (result.returncode, result.stdout) == (0, b"untouched\n"), result.stderr
+
+
+def test_snippet_command_loads_the_byte_code_pip_compiled(pip_installed):
+    """The point of importing rather than running the file: Python compiles
+    a script at every start (8 ms), an imported module only once."""
+    printed = run_cmd([pip_installed.command, "--ssh-config"])
+    command = shlex.split(proxy_command(printed.stdout.decode()))
+    site_packages = str(pip_installed.module.parent)
+    assert command[1:] == shlex.split(imported_from(site_packages))[1:]
+    # python -v says where each module's code object came from.
+    result = run_cmd(command[:1] + ["-v"] + command[1:] + ["--version"])
+    assert result.stdout == b"vsock-proxy %s\n" % vsock_proxy.__version__.encode()
+    cached = os.path.join(site_packages, "__pycache__", "vsock_proxy.")
+    assert re.search(rb"code object from '%s[^']*\.pyc'" % re.escape(cached.encode()),
+                     result.stderr), result.stderr.decode()[-2000:]
 
 
 @pytest.mark.parametrize("name", ["it's", 'say "hi"', "back\\slash", "new\nline"])
@@ -76,7 +124,7 @@ def test_ssh_config_from_a_path_the_locale_cannot_decode_prints_its_bytes(tmp_pa
     snippet = tmp_path / "vsock-proxy.conf"
     snippet.write_bytes(result.stdout)
     settings = run_cmd(["ssh", "-F", snippet, "-G", "vsock%3"]).stdout
-    assert b"proxycommand %s '%s/vsock-proxy' --fdpass '%%n' %%p\n" % (
+    assert b"proxycommand %s -I -S '%s/vsock-proxy' --fdpass '%%n' %%p\n" % (
         os.fsencode(sys.executable), directory) in settings
 
 

@@ -6,6 +6,7 @@ the README's example VM replaced by it."""
 import os
 import pwd
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -85,6 +86,9 @@ def test_install_for_every_user_works_verbatim(sshd, tmp_path):
         # a config of the user running the tests must not take part
         "if [ -d %s ]; then mount -t tmpfs tmpfs %s; fi" % (user_ssh, user_ssh),
         readme_block("install-system"),
+        # the snippet it wrote has the ProxyCommand the README shows
+        "grep -qxF %s /etc/ssh/ssh_config.d/10-vsock-proxy.conf" % shlex.quote(
+            "    " + readme_block("snippet-system").strip()),
         "exec env -i PATH=%s HOME=%s ssh %s %s 'echo every user'" % (
             BARE_PATH, tmp_path, " ".join(map(str, login_options(sshd))),
             slash_free("unix", sshd.socket_path))])

@@ -6,12 +6,14 @@ import hashlib
 import os
 import pty
 import select
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import vsock_proxy
 from conftest import ROOT, run_proxy
 
 SNIPPET = ROOT / "ssh_config.d" / "vsock-proxy.conf"
@@ -79,17 +81,16 @@ def proxy_command_in(snippet):
 
 def test_ssh_config_option_prints_the_shipped_snippet_for_this_installation():
     printed = run_proxy("--ssh-config").stdout.decode()
-    assert proxy_command_in(printed) == "%s %s" % (sys.executable, ROOT / "vsock_proxy.py")
+    assert proxy_command_in(printed) == "%s -I -S -c %s %s" % (
+        sys.executable, shlex.quote(vsock_proxy.IMPORT_AND_RUN), ROOT)
     assert printed.replace(proxy_command_in(printed), "vsock-proxy") == SNIPPET.read_text()
 
 
-def test_ssh_config_option_of_the_installed_command_names_its_path():
-    installed = Path(sys.executable).parent / "vsock-proxy"
-    if not installed.exists():
-        pytest.skip("vsock-proxy is not installed beside %s" % sys.executable)
-    printed = subprocess.run([str(installed), "--ssh-config"], capture_output=True,
+def test_ssh_config_option_of_the_installed_command_names_its_directory(pip_installed):
+    printed = subprocess.run([str(pip_installed.command), "--ssh-config"], capture_output=True,
                              check=True).stdout.decode()
-    assert proxy_command_in(printed) == str(installed)
+    assert proxy_command_in(printed).endswith(" -I -S -c %s %s" % (
+        shlex.quote(vsock_proxy.IMPORT_AND_RUN), pip_installed.module.parent))
 
 
 def test_bulk_upload_and_download_match_by_hash(sshd, vsock_proxy_on_path, mode, tmp_path):

@@ -213,11 +213,11 @@ def test_version_prints_the_version(capsys):
 
 def test_ssh_config_escapes_percent_in_the_installation_path(monkeypatch, capsys):
     """ssh expands %-tokens in ProxyCommand: a literal % must be written %%."""
-    monkeypatch.setattr("sys.argv", ["/opt/100%/bin/vsock-proxy"])
+    monkeypatch.setattr(vsock_proxy, "__file__", "/opt/100%/lib/vsock_proxy.py")
     monkeypatch.setattr("sys.executable", "/opt/100%/bin/python3")
     assert main(["--ssh-config"]) == 0
-    assert ("ProxyCommand /opt/100%%/bin/python3 /opt/100%%/bin/vsock-proxy --fdpass '%n' %p"
-            in capsys.readouterr().out)
+    assert ("ProxyCommand /opt/100%%/bin/python3 -I -S -c '{}' /opt/100%%/lib --fdpass '%n' %p"
+            .format(vsock_proxy.IMPORT_AND_RUN) in capsys.readouterr().out)
 
 
 # --- our own output: all of it arrives, or exit 1 --------------------------------
