@@ -645,7 +645,8 @@ def machined_runtime_dirs():
     serve a fake machined)."""
     import os
     user = os.environ.get("XDG_RUNTIME_DIR")
-    runtime_dirs = ([user] if user else []) + [os.environ.get("VSOCK_PROXY_RUN_DIR", "/run")]
+    runtime_dirs = [user] if user else []
+    runtime_dirs.append(os.environ.get("VSOCK_PROXY_RUN_DIR", "/run"))
     return [(d, os.path.join(d, MACHINED_SOCKET)) for d in runtime_dirs]
 
 
@@ -856,7 +857,8 @@ def ssh_waits_for_a_socket():
     both stdin and stdout, and waits for a descriptor on it.  socat EXEC:,
     inetd and systemd's Accept=yes give one socket for both too, so the shape
     alone does not tell: the process at the other end must be ssh."""
-    return same_open_file(0, 1) and stdout_is_unix_socket() and peer_process_name(1) == "ssh"
+    return (same_open_file(0, 1) and stdout_is_unix_socket()
+            and peer_process_name(1) == "ssh")
 
 
 def same_open_file(fd, other):
@@ -1005,7 +1007,7 @@ class Pump:
         with the process that gave them to us."""
         try:
             moved = posix.splice(self.src, self.dst, SPLICE_CHUNK,
-                              flags=posix.SPLICE_F_NONBLOCK)
+                                 flags=posix.SPLICE_F_NONBLOCK)
         except BlockingIOError:
             # We came because one end was ready; the other one is not.
             self.wait = self.writing if ready_fd == self.src else self.reading
@@ -1172,7 +1174,8 @@ def reset_by_stdouts_reader(exc, up, stdin_is_stdout):
     for both: socat EXEC:, inetd) is reset under our reads, by a reader that
     closed it with bytes we wrote still unread.  Whatever it sent had been
     read by then (AF_UNIX reports the reset after the queued bytes)."""
-    return stdin_is_stdout and failed_reading(exc, up) and exc.errno == errno.ECONNRESET
+    return (stdin_is_stdout and exc.errno == errno.ECONNRESET
+            and failed_reading(exc, up))
 
 
 def upload_failure(exc, up):
