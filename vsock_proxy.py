@@ -655,23 +655,31 @@ def ask_machined(path, target, deadline):
     parameters, None for NoSuchMachine.  The deadline covers the whole
     exchange, however slowly the reply drips in: past it, socket.timeout.
     A listen backlog that stays full (machined is busy) raises
-    BlockingIOError; another OSError means that nobody listens."""
+    BlockingIOError; another OSError means that nobody listens.  A machined
+    that fails during the call (it crashed: ECONNRESET) is a ConnectError,
+    as one that sends no complete reply is."""
     import json
     with open_unix_socket(path, time_left(deadline)) as sock:
         call = {"method": "io.systemd.Machine.List",
                 "parameters": {"name": target.address}}
-        set_deadline(sock, deadline)
-        sock.sendall(json.dumps(call).encode() + b"\0")
-        reply = b""
-        while b"\0" not in reply:          # Varlink messages end with a NUL
-            if time.monotonic() >= deadline:
-                raise _socket.timeout()
+        try:
             set_deadline(sock, deadline)
-            chunk = sock.recv(65536)
-            if not chunk or len(reply) > 1 << 20:
-                raise ConnectError("%s: systemd-machined at %s sent no complete "
-                                   "reply" % (target, printable(path)))
-            reply += chunk
+            sock.sendall(json.dumps(call).encode() + b"\0")
+            reply = b""
+            while b"\0" not in reply:          # Varlink messages end with a NUL
+                if time.monotonic() >= deadline:
+                    raise _socket.timeout()
+                set_deadline(sock, deadline)
+                chunk = sock.recv(65536)
+                if not chunk or len(reply) > 1 << 20:
+                    raise ConnectError("%s: systemd-machined at %s sent no complete "
+                                       "reply" % (target, printable(path)))
+                reply += chunk
+        except _socket.timeout:
+            raise
+        except OSError as exc:
+            raise ConnectError("%s: systemd-machined at %s broke off the call: %s"
+                               % (target, printable(path), describe_os_error(exc)))
     try:
         message = json.loads(reply[:reply.index(b"\0")])
         error, parameters = message.get("error"), message.get("parameters")

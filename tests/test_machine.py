@@ -21,8 +21,10 @@ class FakeMachined:
     knowing `machines`: name -> List reply parameters, or a Varlink error name.
 
     behaviour "answer" (at once), "drip" (the reply one byte every half
-    second: a machined that is busy but alive) or "busy" (its listen backlog
-    is full: it accepts nobody for busy_for seconds, then answers)."""
+    second: a machined that is busy but alive), "busy" (its listen backlog
+    is full: it accepts nobody for busy_for seconds, then answers) or
+    "crash" (it closes the connection with the call unread, as a machined
+    that dies mid-call does: the caller's read fails with ECONNRESET)."""
 
     def __init__(self, runtime_dir, machines, behaviour="answer", busy_for=3600):
         self.runtime_dir = runtime_dir
@@ -51,6 +53,9 @@ class FakeMachined:
             except OSError:
                 return
             with conn:
+                if self.behaviour == "crash":
+                    conn.recv(1, socket.MSG_PEEK)       # the call has arrived
+                    continue                            # ... and is never read
                 request = b""
                 while not request.endswith(b"\0"):
                     chunk = conn.recv(4096)
@@ -187,6 +192,14 @@ def test_machined_not_running(machined):
     assert result.returncode == 1
     assert result.stderr.decode() == ("vsock-proxy: machine/fedora: systemd-machined is not "
                                       "running (no answer on %s or %s)\n" % (user, system))
+
+
+def test_machined_that_crashes_mid_call_is_not_called_not_running(machined):
+    instance = machined("user", {}, behaviour="crash")
+    result = run_proxy("machine/fedora")
+    assert (result.returncode, result.stderr.decode()) == (
+        1, "vsock-proxy: machine/fedora: systemd-machined at %s broke off the call: "
+           "Connection reset by peer (ECONNRESET)\n" % instance.path)
 
 
 def test_machine_without_a_vsock_cid(machined):
