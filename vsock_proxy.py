@@ -959,7 +959,9 @@ def pass_fd(sock, target):
 #   stdout's reader has gone, nothing     stop writing stdout; return    0 / 1
 #     waiting for it                      once stdin has ended too; a
 #                                         byte from the peer after that
-#                                         is lost: 1
+#                                         is lost, or a socket on stdout
+#                                         says its reader left bytes
+#                                         unread (ECONNRESET): 1
 #   writing stdout fails with bytes in    return                         1
 #     hand (EPIPE, EIO, ENOSPC)
 #   silence, or a peer that never reads   wait: the conversation is not  -
@@ -1112,6 +1114,8 @@ def relay(sock, target, log):
         up_lost = closed_with_bytes_unread(sock)
     if up_lost:
         raise Error("%s: %s" % (target, up_lost))
+    if stdout_gone and stdout_was_reset():
+        raise Error("%s: %s (ECONNRESET)" % (target, STDOUT_GONE))
     if stdout_gone and socket_has_more(sock):
         raise Error("%s: %s" % (target, STDOUT_GONE))
 
@@ -1273,6 +1277,20 @@ def stdin_has_more(up):
         return bool(posix.read(0, 1))
     except OSError:
         return False
+
+
+def stdout_was_reset():
+    """A socket on stdout whose reader closed with bytes we wrote still
+    unread is reset (ECONNRESET, read with SO_ERROR): a loss, although every
+    write succeeded.  A pipe's reader leaves no such mark."""
+    try:
+        if not stat.S_ISSOCK(posix.fstat(1).st_mode):
+            return False
+        with Socket(fileno=posix.dup(1)) as out:
+            error = out.getsockopt(_socket.SOL_SOCKET, _socket.SO_ERROR)
+    except OSError:
+        return False
+    return error == errno.ECONNRESET
 
 
 def socket_has_more(sock):

@@ -419,6 +419,11 @@ class StdioProcess:
             with socket.socket(fileno=os.dup(fd)) as end:
                 end.shutdown(how)
 
+    def wait_for_unread_output(self, timeout=10):
+        """Until stdout holds bytes we have not read."""
+        if not select.select([self._stdout], [], [], timeout)[0]:
+            raise AssertionError(f"no output to read within {timeout} s")
+
     def read_exactly(self, n, timeout=10):
         data = b""
         deadline = time.monotonic() + timeout

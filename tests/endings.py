@@ -193,11 +193,15 @@ def ours_goes_away(proxy, peer):
 
 
 def ours_stops_reading(proxy, peer):
-    """stdout's reader goes away while the peer is still sending.  One
-    descriptor for both ends (a terminal, a shared socket) goes away whole:
-    shutdown(SHUT_RD) alone is no reader going away (the socket stays
-    connected, the bytes already sent stay queued in it)."""
+    """stdout's reader goes away while the peer is still sending, with bytes
+    it was given still unread: a loss the relay can see.  (Had the reader
+    taken all that was written, and the peer sent nothing more yet, exit 0
+    would be right: nothing was lost at that moment.)  One descriptor for
+    both ends (a terminal, a shared socket) goes away whole: shutdown(SHUT_RD)
+    alone is no reader going away (the socket stays connected, the bytes
+    already sent stay queued in it)."""
     proxy.read_exactly(65536)
+    proxy.wait_for_unread_output()
     if proxy.stdio in ("pty", "shared-socket", "nonblocking-shared-socket"):
         proxy.hang_up()
     else:
