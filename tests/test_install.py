@@ -114,9 +114,10 @@ def test_ssh_config_refuses_a_path_an_ssh_config_line_cannot_carry(tmp_path, nam
         "under a plainer path\n" % str(program).replace("\n", "\\n")).encode()
 
 
-def test_ssh_config_from_a_path_the_locale_cannot_decode_prints_its_bytes(tmp_path):
+@pytest.mark.parametrize("name", ["vsock-proxy", "vsock_proxy.py"])
+def test_ssh_config_from_a_path_the_locale_cannot_decode_prints_its_bytes(tmp_path, name):
     directory = os.path.join(os.fsencode(tmp_path), b"caf\xe9")
-    program = copy_of_the_file(tmp_path / os.fsdecode(directory))
+    program = copy_of_the_file(tmp_path / os.fsdecode(directory), name)
     env = dict(os.environ, LC_ALL="C.UTF-8", PYTHONUTF8="0")   # stdout: strict UTF-8
     env.pop("PYTHONIOENCODING", None)
     result = run_cmd([sys.executable, program, "--ssh-config"], env=env)
@@ -124,8 +125,14 @@ def test_ssh_config_from_a_path_the_locale_cannot_decode_prints_its_bytes(tmp_pa
     snippet = tmp_path / "vsock-proxy.conf"
     snippet.write_bytes(result.stdout)
     settings = run_cmd(["ssh", "-F", snippet, "-G", "vsock%3"]).stdout
-    assert b"proxycommand %s -I -S '%s/vsock-proxy' --fdpass '%%n' %%p\n" % (
-        os.fsencode(sys.executable), directory) in settings
+    command = (b"'%s/vsock-proxy'" % directory if name == "vsock-proxy" else
+               b"-c %s '%s'" % (shlex.quote(vsock_proxy.IMPORT_AND_RUN).encode(), directory))
+    assert b"proxycommand %s -I -S %s --fdpass '%%n' %%p\n" % (
+        os.fsencode(sys.executable), command) in settings
+    # and the command runs, finding the file there
+    argv = shlex.split(os.fsdecode(settings.split(b"proxycommand ")[1].split(b"\n")[0]))
+    argv = [a for a in argv if a not in ("--fdpass", "%n", "%p")] + ["--version"]
+    assert run_cmd(argv, env=env).stdout == b"vsock-proxy %s\n" % vsock_proxy.__version__.encode()
 
 
 def pyenv_python(version):
