@@ -14,7 +14,7 @@ import sys
 import pytest
 
 import vsock_proxy
-from conftest import PROXY_SCRIPT, run_cmd
+from conftest import PROXY_SCRIPT, ROOT, run_cmd
 
 BARE_PATH = "/usr/bin:/bin"       # no vsock-proxy, no pyenv shim
 
@@ -86,6 +86,23 @@ def test_snippet_command_is_not_swayed_by_the_working_directory_or_python_variab
     result = sshd.ssh("unix" + sshd.socket_path, "echo untouched",
                       config=sshd.ssh_config("Include %s\n" % snippet), env=env)
     assert (result.returncode, result.stdout) == (0, b"untouched\n"), result.stderr
+
+
+def test_launcher_finds_its_module_where_python_puts_no_script_directory(tmp_path):
+    """The system-wide install: a symlink in bin/ to the launcher beside
+    vsock_proxy.py.  Python's own sys.path[0] is gone with PYTHONSAFEPATH
+    (Python 3.11+) or -I; the launcher puts its directory there itself."""
+    lib = tmp_path / "lib"
+    copy_of_the_file(lib, "vsock_proxy.py")
+    shutil.copy(ROOT / "vsock-proxy", lib / "vsock-proxy")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "vsock-proxy").symlink_to(lib / "vsock-proxy")
+    version = b"vsock-proxy %s\n" % vsock_proxy.__version__.encode()
+    for argv, env in (([sys.executable, "-I"], os.environ),
+                      ([sys.executable], dict(os.environ, PYTHONSAFEPATH="1"))):
+        result = run_cmd(argv + [tmp_path / "bin" / "vsock-proxy", "--version"], env=env,
+                         cwd=tmp_path)
+        assert (result.returncode, result.stdout, result.stderr) == (0, version, b"")
 
 
 def test_snippet_command_loads_the_byte_code_pip_compiled(pip_installed):
