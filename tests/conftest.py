@@ -264,6 +264,19 @@ def run_proxy_fixture():
     return run_proxy
 
 
+def proxy_command_in(snippet):
+    """The command of an ssh_config snippet's first ProxyCommand, without
+    the arguments it is given."""
+    return snippet.split("ProxyCommand ")[1].split(" --fdpass")[0]
+
+
+def imported_from(directory, python=sys.executable):
+    """The snippet's command for an importable vsock_proxy.py in directory,
+    as --ssh-config writes it."""
+    import vsock_proxy
+    return "%s -I -S -c %s %s" % (python, shlex.quote(vsock_proxy.IMPORT_AND_RUN), directory)
+
+
 class PipInstalled:
     """What pip installed beside this interpreter: the launcher in bin/ and
     vsock_proxy.py in site-packages."""

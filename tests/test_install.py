@@ -14,7 +14,7 @@ import sys
 import pytest
 
 import vsock_proxy
-from conftest import PROXY_SCRIPT, ROOT, run_cmd
+from conftest import PROXY_SCRIPT, ROOT, imported_from, proxy_command_in, run_cmd
 
 BARE_PATH = "/usr/bin:/bin"       # no vsock-proxy, no pyenv shim
 
@@ -29,16 +29,6 @@ def copy_of_the_file(directory, name="vsock-proxy"):
     return program
 
 
-def proxy_command(snippet):
-    return snippet.split("ProxyCommand ")[1].split(" --fdpass")[0]
-
-
-def imported_from(directory):
-    """The snippet's command for an importable vsock_proxy.py in directory."""
-    return "%s -I -S -c %s %s" % (sys.executable, shlex.quote(vsock_proxy.IMPORT_AND_RUN),
-                                  directory)
-
-
 def test_snippet_of_a_copied_command_runs_it_as_a_script_with_the_python_that_printed_it(
         sshd, tmp_path):
     """'#!/usr/bin/env python3' is each user's first python3 (a pyenv shim,
@@ -48,7 +38,7 @@ def test_snippet_of_a_copied_command_runs_it_as_a_script_with_the_python_that_pr
     assert printed.returncode == 0, printed.stderr
     snippet = tmp_path / "vsock-proxy.conf"
     snippet.write_bytes(printed.stdout)
-    assert proxy_command(snippet.read_text()) == "%s -I -S %s" % (sys.executable, program)
+    assert proxy_command_in(snippet.read_text()) == "%s -I -S %s" % (sys.executable, program)
     result = sshd.ssh("unix" + sshd.socket_path, "echo anywhere",
                       config=sshd.ssh_config("Include %s\n" % snippet),
                       env=dict(os.environ, PATH=BARE_PATH))
@@ -59,7 +49,7 @@ def test_snippet_of_an_importable_module_imports_it_from_its_directory(sshd, tmp
     module = copy_of_the_file(tmp_path / "lib", "vsock_proxy.py")
     printed = run_cmd([sys.executable, module, "--ssh-config"])
     assert printed.returncode == 0, printed.stderr
-    assert proxy_command(printed.stdout.decode()) == imported_from(module.parent)
+    assert proxy_command_in(printed.stdout.decode()) == imported_from(module.parent)
     snippet = tmp_path / "vsock-proxy.conf"
     snippet.write_bytes(printed.stdout)
     result = sshd.ssh("unix" + sshd.socket_path, "echo imported",
@@ -109,7 +99,7 @@ def test_snippet_command_loads_the_byte_code_pip_compiled(pip_installed):
     """The point of importing rather than running the file: Python compiles
     a script at every start (8 ms), an imported module only once."""
     printed = run_cmd([pip_installed.command, "--ssh-config"])
-    command = shlex.split(proxy_command(printed.stdout.decode()))
+    command = shlex.split(proxy_command_in(printed.stdout.decode()))
     site_packages = str(pip_installed.module.parent)
     assert command[1:] == shlex.split(imported_from(site_packages))[1:]
     # python -v says where each module's code object came from.

@@ -6,15 +6,11 @@ import hashlib
 import os
 import pty
 import select
-import shlex
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-import vsock_proxy
-from conftest import ROOT, run_proxy
+from conftest import ROOT, imported_from, proxy_command_in, run_proxy
 
 SNIPPET = ROOT / "ssh_config.d" / "vsock-proxy.conf"
 
@@ -75,22 +71,17 @@ def test_percent_h_lowercases_capitals_and_the_error_says_so(sshd, vsock_proxy_o
             "lowercases %%h)\n" % (path.lower(), path.lower(), path)).encode() in result.stderr
 
 
-def proxy_command_in(snippet):
-    return snippet.split("ProxyCommand ")[1].split(" --fdpass")[0]
-
-
 def test_ssh_config_option_prints_the_shipped_snippet_for_this_installation():
     printed = run_proxy("--ssh-config").stdout.decode()
-    assert proxy_command_in(printed) == "%s -I -S -c %s %s" % (
-        sys.executable, shlex.quote(vsock_proxy.IMPORT_AND_RUN), ROOT)
+    assert proxy_command_in(printed) == imported_from(ROOT)
     assert printed.replace(proxy_command_in(printed), "vsock-proxy") == SNIPPET.read_text()
 
 
 def test_ssh_config_option_of_the_installed_command_names_its_directory(pip_installed):
     printed = subprocess.run([str(pip_installed.command), "--ssh-config"], capture_output=True,
                              check=True).stdout.decode()
-    assert proxy_command_in(printed).endswith(" -I -S -c %s %s" % (
-        shlex.quote(vsock_proxy.IMPORT_AND_RUN), pip_installed.module.parent))
+    python = proxy_command_in(printed).split()[0]      # the launcher's '#!' interpreter
+    assert proxy_command_in(printed) == imported_from(pip_installed.module.parent, python)
 
 
 def test_bulk_upload_and_download_match_by_hash(sshd, vsock_proxy_on_path, mode, tmp_path):
