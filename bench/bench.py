@@ -467,14 +467,21 @@ def check_proxy(proxy, workdir):
     if is_template(proxy):
         return None
     argv = (shlex.split(proxy) if proxy else DEFAULT_PROXY) + ["--version"]
+    return command_output(argv, workdir)[1]
+
+
+def command_output(argv, workdir):
+    """(stdout, None) if argv runs and exits 0, else (None, a one-line reason)."""
     try:
-        out = subprocess.run(argv, capture_output=True, timeout=15, cwd=workdir)
+        out = subprocess.run(argv, capture_output=True, timeout=15, cwd=workdir,
+                             stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired) as e:
-        return "%s: %s" % (shlex.join(argv), e)
+        return None, "%s: %s" % (shlex.join(argv), e)
     if out.returncode != 0:
         err = out.stderr.decode(errors="replace").strip().splitlines()
-        return "%s exited %d: %s" % (shlex.join(argv), out.returncode, err[-1] if err else "")
-    return None
+        return None, "%s exited %d: %s" % (shlex.join(argv), out.returncode,
+                                           err[-1] if err else "")
+    return out.stdout, None
 
 
 def make_tools(proxy_relay, proxy_label, proxy_ok):
@@ -784,19 +791,11 @@ class Snippet:
 
     def __init__(self, key, label, argv, workdir):
         self.key, self.label, self.argv = key, label, argv
-        self.line, self.words, self.problem = None, None, None
-        try:
-            out = subprocess.run(argv, capture_output=True, timeout=15, cwd=workdir,
-                                 stdin=subprocess.DEVNULL)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            self.problem = "%s: %s" % (shlex.join(argv), e)
+        self.line, self.words = None, None
+        stdout, self.problem = command_output(argv, workdir)
+        if self.problem:
             return
-        if out.returncode != 0:
-            err = out.stderr.decode(errors="replace").strip().splitlines()
-            self.problem = "%s exited %d: %s" % (shlex.join(argv), out.returncode,
-                                                 err[-1] if err else "")
-            return
-        self.line = proxy_command_of(os.fsdecode(out.stdout))
+        self.line = proxy_command_of(os.fsdecode(stdout))
         if self.line is None:
             self.problem = "%s printed no ProxyCommand line" % shlex.join(argv)
             return
