@@ -962,6 +962,9 @@ def pass_fd(sock, target):
 #                                         is lost, or a socket on stdout
 #                                         says its reader left bytes
 #                                         unread (ECONNRESET): 1
+#   the peer's EOF, and a socket on       return                         1
+#     stdout says its reader left bytes
+#     unread (ECONNRESET)
 #   writing stdout fails with bytes in    return                         1
 #     hand (EPIPE, EIO, ENOSPC)
 #   silence, or a peer that never reads   wait: the conversation is not  -
@@ -1070,10 +1073,19 @@ def relay(sock, target, log):
             if up_lost is None and stdin_has_more(up):
                 up_lost = "the peer closed the connection before it took all of stdin"
             break
-        # While down runs, stdout is watched for its reader going away (poll
-        # says POLLERR or POLLHUP whatever we ask); once down has ended, the
-        # socket is, for the peer's full close (POLLHUP, on AF_UNIX).
-        watch = (1, 0) if down.wait and not stdout_gone else (sock_fd, 0)
+        # Once stdin has ended while down runs, stdout is watched for its
+        # reader going away (poll says POLLERR or POLLHUP whatever we ask):
+        # with a silent peer, that ends the relay.  While stdin is open it
+        # would change nothing, and a third descriptor costs every poll
+        # (measured: 0.7-0.9 us of system time per keystroke round trip).
+        # Once down has ended, the socket is watched, for the peer's full
+        # close (POLLHUP, on AF_UNIX).
+        if down.wait is None:
+            watch = (sock_fd, 0)
+        elif up.wait is None and not stdout_gone:
+            watch = (1, 0)
+        else:
+            watch = None
         if (up.wait, down.wait, watch) != waits:
             waits = (up.wait, down.wait, watch)
             registered = update_poll(poller, registered, waits)
@@ -1090,7 +1102,7 @@ def relay(sock, target, log):
                     ended = up.move(fd)
                 except OSError as exc:
                     if reset_by_stdouts_reader(exc, up, stdin_is_stdout):
-                        raise Error("%s: %s (ECONNRESET)" % (target, STDOUT_GONE))
+                        raise stdout_gone_error(target, "ECONNRESET")
                     if not is_end_of_stream(exc, up):
                         up_lost = upload_failure(exc, up)
                     ended = True
@@ -1106,6 +1118,8 @@ def relay(sock, target, log):
                     ended = True
                 if ended:
                     down.wait = None
+                    if stdout_was_reset():
+                        raise stdout_gone_error(target, "ECONNRESET")
                     end_stdout()
                     probing = True
         if probing and down.wait is None:
@@ -1115,7 +1129,7 @@ def relay(sock, target, log):
     if up_lost:
         raise Error("%s: %s" % (target, up_lost))
     if stdout_gone and stdout_was_reset():
-        raise Error("%s: %s (ECONNRESET)" % (target, STDOUT_GONE))
+        raise stdout_gone_error(target, "ECONNRESET")
     if stdout_gone and socket_has_more(sock):
         raise Error("%s: %s" % (target, STDOUT_GONE))
 
@@ -1207,9 +1221,13 @@ def download_failure(exc, down, sock, target):
     if failed_reading(exc, down):
         return Error("%s: receiving from the peer: %s" % (target, describe_os_error(exc)))
     if exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.EIO):
-        return Error("%s: %s (%s)" % (target, STDOUT_GONE, errno_name(exc)))
+        return stdout_gone_error(target, errno_name(exc))
     return Error("%s: writing the peer's data to stdout: %s"
                  % (target, describe_os_error(exc)))
+
+
+def stdout_gone_error(target, errno_text):
+    return Error("%s: %s (%s)" % (target, STDOUT_GONE, errno_text))
 
 
 def end_stdout():

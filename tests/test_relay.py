@@ -162,6 +162,27 @@ def test_stdout_closed_while_the_peer_sends_is_one_line_and_exit_1(tmp_path, std
             b"data was written (EPIPE)\n" % path.encode())
 
 
+def test_stdout_socket_closed_with_bytes_unread_before_the_peers_eof_is_exit_1(tmp_path):
+    """Every write to stdout succeeded, then its reader closed with some of
+    them unread, and the peer's EOF came next: nothing more is written, yet
+    the bytes are lost.  A socket on stdout says so (ECONNRESET); a pipe's
+    reader leaves no such mark, so only the socket kind can be held to it."""
+    release = threading.Event()
+
+    def send_then_close_when_released(conn):
+        conn.sendall(b"x" * 1000)
+        release.wait(10)
+    path = serve_unix(tmp_path, send_then_close_when_released)
+    with proxy_process(["unix" + path], "socket") as proxy:
+        proxy.wait_for_unread_output()
+        proxy.close_stdout()
+        release.set()
+        assert proxy.wait() == 1
+        assert proxy.stderr() == (
+            b"vsock-proxy: unix%s: stdout's reader went away before the peer's "
+            b"data was written (ECONNRESET)\n" % path.encode())
+
+
 @BOTH_PATHS
 @pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGTERM])
 def test_hangup_and_terminate_end_the_proxy_quietly(tmp_path, stdio, signum):
