@@ -318,6 +318,16 @@ def spawn(argv, timeout, stderr, stdin=subprocess.PIPE, env=None):
     return proc
 
 
+def process_cpu_ns(pid):
+    """CPU time (user+sys, ns) process pid has used so far, read from its CPU-time clock
+    (Linux: MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)), or None where there is none. Unlike
+    rusage it can be read while the process runs, so start-up and warm-up stay out."""
+    try:
+        return time.clock_gettime_ns((~pid << 3) | 2)
+    except (OSError, OverflowError):
+        return None
+
+
 def reap(proc, threads=()):
     """Wait for the child (bounded by the watchdog) and return its CPU seconds (user+sys).
     The RUSAGE_CHILDREN delta across this one waitpid() is exactly this child's usage:
@@ -604,12 +614,18 @@ class Bench:
             with stderr_capture(self.log_dir, tool.key) as err:
                 deadline = CONNECT_TIMEOUT + self.pings / 1000   # 1 ms per round trip at worst
                 with self.relay(tool, ECHO, deadline, err) as relay:
-                    samples = ping_loop(relay.stdin_fd, relay.stdout_fd, warmup, self.pings)
+                    ping_loop(relay.stdin_fd, relay.stdout_fd, warmup, 0)
+                    cpu_before = process_cpu_ns(relay.proc.pid)
+                    samples = ping_loop(relay.stdin_fd, relay.stdout_fd, 0, self.pings)
+                    cpu_after = process_cpu_ns(relay.proc.pid)
                     relay.proc.stdin.close()
                     read_exactly(relay.stdout_fd, 1, self.buf)   # wait for EOF
         samples.sort()
-        return {"rtt_p50_us": percentile(samples, 0.50) / 1e3,
-                "rtt_p99_us": percentile(samples, 0.99) / 1e3}
+        result = {"rtt_p50_us": percentile(samples, 0.50) / 1e3,
+                  "rtt_p99_us": percentile(samples, 0.99) / 1e3}
+        if not tool.is_direct and cpu_before is not None and cpu_after is not None:
+            result["rtt_cpu_us"] = (cpu_after - cpu_before) / self.pings / 1e3
+        return result
 
     # ---- short connection -------------------------------------------------------------------
 
@@ -1284,6 +1300,7 @@ def summarize(results, tools, connector):
             "download_machine_busy": results.median("download", k, "machine_busy"),
             "rtt_p50_us": results.median("rtt", k, "rtt_p50_us"),
             "rtt_p99_us": results.median("rtt", k, "rtt_p99_us"),
+            "rtt_cpu_us": results.median("rtt", k, "rtt_cpu_us"),
             "rtt_pinned_p50_us": results.median("rtt-pinned", k, "rtt_p50_us"),
             "rtt_pinned_p99_us": results.median("rtt-pinned", k, "rtt_p99_us"),
             # Paired: this tool / socat -b 65536 within each round, then the median.
@@ -1312,6 +1329,7 @@ METRICS = [  # (field, header, digits, higher is better)
     ("rtt_p50_us", "RTT p50 µs", 1, False),
     ("rtt_p99_us", "RTT p99 µs", 1, False),
     ("rtt_pinned_p50_us", "RTT p50 µs, 1 CPU", 1, False),
+    ("rtt_cpu_us", "relay CPU µs per round trip", 1, False),
     ("short_ms", "short conn ms", 1, False),
 ]
 
