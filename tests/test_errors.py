@@ -158,6 +158,14 @@ def test_a_path_that_is_no_socket_says_so_and_is_not_retried(tmp_path, kind, cap
     assert capsys.readouterr().err == "vsock-proxy: unix%s: %s is not a socket\n" % (path, path)
 
 
+def test_timeval_is_laid_out_as_the_c_struct():
+    """Two C longs, seconds and microseconds: what struct.pack("ll") gives."""
+    import struct
+    for seconds, fields in ((2.5, (2, 500000)), (0, (0, 0)), (1e-9, (0, 1)),
+                            (vsock_proxy.LONGEST, (1000000, 0)), (float("inf"), (0, 0))):
+        assert vsock_proxy.timeval(seconds) == struct.pack("ll", *fields)
+
+
 def test_tiny_timeouts_stay_timeouts():
     """0 in a struct timeval means 'wait forever': a positive time never rounds to it."""
     assert vsock_proxy.timeval(1e-9) == vsock_proxy.timeval(0.000001) != vsock_proxy.timeval(0)
