@@ -183,9 +183,20 @@ def test_stdout_socket_closed_with_bytes_unread_before_the_peers_eof_is_exit_1(t
             b"data was written (ECONNRESET)\n" % path.encode())
 
 
+@pytest.fixture
+def hangups_not_ignored():
+    """Under nohup SIGHUP is ignored, and a child inherits that through exec
+    (the proxy then rightly ignores it too): the proxy is started with the
+    default, as from an ssh in a terminal."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGHUP, previous)
+
+
 @BOTH_PATHS
 @pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGTERM])
-def test_hangup_and_terminate_end_the_proxy_quietly(tmp_path, stdio, signum):
+def test_hangup_and_terminate_end_the_proxy_quietly(tmp_path, stdio, signum,
+                                                    hangups_not_ignored):
     """ssh sends SIGHUP to its ProxyCommand when the session ends."""
     path = serve_unix(tmp_path, echo)
     with proxy_process(["unix" + path], stdio) as proxy:
