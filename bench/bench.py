@@ -1150,10 +1150,10 @@ class Results:
                 if s.get(field) is not None]
 
     def paired_ratio(self, section, key, reference, field):
-        """Median over rounds of key's value / reference's value in the same round. Rounds
-        move together (the machine's state, where the scheduler puts the processes: on a
+        """Median over turns (a round, and its repetition where a section repeats) of key's
+        value / reference's value in the same turn. Turns move together (the machine's state, where the scheduler puts the processes: on a
         2-core VM a relay's RTT p50 moves between ~30 and ~70 us from round to round, and
-        the other tools with it), so the ratio within a round is steadier than the ratio of
+        the other tools with it), so the ratio within a turn is steadier than the ratio of
         two medians."""
         ref = self.by_turn(section, reference, field)
         ratios = [s[field] / ref[turn(s)] for s in self.samples.get((section, key), ())
@@ -1161,7 +1161,7 @@ class Results:
         return statistics.median(ratios) if ratios else None
 
     def paired_difference(self, section, key, reference, field):
-        """Median over rounds of key's value minus reference's value in the same round."""
+        """Median over turns of key's value minus reference's value in the same turn."""
         ref = self.by_turn(section, reference, field)
         differences = [s[field] - ref[turn(s)] for s in self.samples.get((section, key), ())
                        if s.get(field) is not None and turn(s) in ref]
@@ -1196,8 +1196,7 @@ def run_rounds(bench, tools, connector, rounds, short_reps, rtt_reps, sections, 
         for offset, (section, test, reps) in enumerate(tests):
             for rep in range(reps):
                 for tool in rotated(tools, r + offset + rep):
-                    results.record(section, tool.key, test, tool, round=r,
-                                   rep=rep if reps > 1 else None)
+                    results.record(section, tool.key, test, tool, round=r, rep=rep)
         if "short" in sections:
             short_tools = tools + [connector]
             for rep in range(short_reps):
@@ -1320,7 +1319,7 @@ def summarize(results, tools, connector):
             "rtt_cpu_us": results.median("rtt", k, "rtt_cpu_us"),
             "rtt_pinned_p50_us": results.median("rtt-pinned", k, "rtt_p50_us"),
             "rtt_pinned_p99_us": results.median("rtt-pinned", k, "rtt_p99_us"),
-            # Paired: this tool / socat -b 65536 within each round, then the median.
+            # Paired: this tool / socat -b 65536 within each turn, then the median.
             "rtt_p50_x_socat_b65536": results.paired_ratio("rtt", k, REFERENCE, "rtt_p50_us"),
             "rtt_pinned_p50_x_socat_b65536": results.paired_ratio("rtt-pinned", k, REFERENCE,
                                                                   "rtt_p50_us"),
